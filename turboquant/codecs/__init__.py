@@ -1,0 +1,5 @@
+"""Codecs: one file each, one interface (``base.Codec``)."""
+from .base import CODECS, Code, Codec, from_config
+from .scalar import TurboQuantMSE
+
+__all__ = ["CODECS", "Code", "Codec", "from_config", "TurboQuantMSE"]

@@ -1,0 +1,130 @@
+"""The codec interface shared by every quantizer in the package.
+
+Every codec has ``encode(x) -> Code`` for x of shape (..., D) in float32, float16 or
+bfloat16, ``decode(code) -> x̂`` in the input dtype, ``bits_per_coordinate`` (payload
+plus side information, e.g. b + 16/D for an fp16 norm), ``nbytes_per_vector`` (what the
+stored code really occupies, word padding included) and ``config()``: plain values from
+which ``from_config`` rebuilds the codec bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Mapping
+
+import mlx.core as mx
+
+__all__ = ["Code", "Codec", "register", "from_config", "CODECS", "check_input", "split_norm",
+           "FP16_MAX"]
+
+FP16_MAX = 65504.0
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+CODECS: dict[str, type] = {}
+
+
+@dataclass(frozen=True, eq=False)
+class Code:
+    """Encoded vectors. ``arrays`` maps field names to mx arrays whose leading dimensions
+    are ``shape`` (the input's x.shape[:-1]); ``dtype`` is the input's dtype."""
+
+    arrays: Mapping[str, mx.array]
+    shape: tuple
+    dtype: mx.Dtype = mx.float32
+    codec: Mapping = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def __getitem__(self, name: str) -> mx.array:
+        return self.arrays[name]
+
+
+def register(cls):
+    """Class decorator: make ``from_config`` know the codec by ``cls.name``."""
+    CODECS[cls.name] = cls
+    return cls
+
+
+def from_config(config: Mapping) -> "Codec":
+    """Rebuild a codec from ``codec.config()``."""
+    if not isinstance(config, Mapping) or "codec" not in config:
+        raise ValueError(f"a codec config is a mapping with a 'codec' key, got {config!r}")
+    name = config["codec"]
+    if name not in CODECS:
+        raise ValueError(f"unknown codec {name!r}; known: {sorted(CODECS)}")
+    kwargs = {k: v for k, v in config.items() if k != "codec"}
+    return CODECS[name](**kwargs)
+
+
+def check_input(x, dim: int) -> mx.array:
+    """Validate a batch of vectors (..., D) and return it as float32; raise on bad input."""
+    if not isinstance(x, mx.array):
+        raise TypeError(f"expected an mx.array of shape (..., {dim}), got {type(x).__name__}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"expected float32, float16 or bfloat16 input, got {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] != dim:
+        raise ValueError(f"expected last dimension D={dim}, got shape {tuple(x.shape)}")
+    x = x.astype(mx.float32)
+    if x.size and not mx.all(mx.isfinite(x)).item():
+        raise ValueError("input contains NaN or Inf")
+    return x
+
+
+def split_norm(x: mx.array) -> tuple[mx.array, mx.array]:
+    """x (..., D) float32 → (norm (..., 1) float32, unit direction (..., D)); zero stays zero.
+
+    The norm is stored in fp16; a norm above fp16's range is refused, not saturated.
+    """
+    norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
+    if norm.size and mx.max(norm).item() > FP16_MAX:
+        raise ValueError(f"a vector norm of {mx.max(norm).item():.4g} exceeds fp16's range "
+                         f"({FP16_MAX}); scale the input down")
+    return norm, x / mx.where(norm > 0, norm, 1.0)
+
+
+class Codec:
+    """Base class; see the module docstring for the contract."""
+
+    name: ClassVar[str] = "codec"
+    dim: int
+
+    def encode(self, x: mx.array) -> Code:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def decode(self, code: Code) -> mx.array:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @property
+    def bits_per_coordinate(self) -> float:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @property
+    def nbytes_per_vector(self) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def config(self) -> dict:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def code_nbytes(self, n_vectors: int) -> int:
+        """Bytes that codes for ``n_vectors`` vectors occupy."""
+        return n_vectors * self.nbytes_per_vector
+
+    def roundtrip(self, x: mx.array) -> mx.array:
+        return self.decode(self.encode(x))
+
+    def _check_code(self, code) -> Code:
+        if not isinstance(code, Code):
+            raise TypeError(f"expected a Code, got {type(code).__name__}")
+        if dict(code.codec) != self.config():
+            raise ValueError(f"this code was made by {dict(code.codec)}, not by {self.config()}")
+        return code
+
+    def __eq__(self, other):
+        return isinstance(other, Codec) and self.config() == other.config()
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.config().items())))
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "codec")
+        return f"{type(self).__name__}({args})"
