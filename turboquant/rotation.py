@@ -129,3 +129,18 @@ class Rotation:
 
     def config(self) -> dict:
         return {"kind": self.kind, "dim": int(self.dim), "seed": int(self.seed)}
+
+
+def coordinate_over_rotations(x, kind: str, n_draws: int, seed0: int = 0) -> np.ndarray:
+    """First coordinate of Π x/‖x‖ for ``n_draws`` rotations with seeds seed0, seed0+1, …
+
+    For Haar rotations this is exactly the Beta coordinate law of S^{D−1}, for any x;
+    for randomized Hadamard it is a Rademacher sum Σ ±H_1j x_j/‖x‖ and depends on x.
+    ``x``: (D,) array-like. Returns (n_draws,) float64.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 1 or not np.all(np.isfinite(x)) or not np.any(x):
+        raise ValueError("x must be a finite, non-zero vector of shape (D,)")
+    u = mx.array(x / np.linalg.norm(x), dtype=mx.float32)
+    return np.array([Rotation(kind, x.shape[0], seed0 + i).apply(u)[0].item()
+                     for i in range(n_draws)], dtype=np.float64)

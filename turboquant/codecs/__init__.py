@@ -1,5 +1,6 @@
 """Codecs: one file each, one interface (``base.Codec``)."""
 from .base import CODECS, Code, Codec, from_config
+from .affine import AffineCodec
 from .scalar import TurboQuantMSE
 
-__all__ = ["CODECS", "Code", "Codec", "from_config", "TurboQuantMSE"]
+__all__ = ["CODECS", "Code", "Codec", "from_config", "TurboQuantMSE", "AffineCodec"]

@@ -1,52 +1,16 @@
-"""One figure style for the book, and widgets that wrap pure plotting functions.
-
-Every widget wraps a ``plot_*(...)`` function; the book also calls that function once at
-the widget's default values, so the static HTML shows the figure (Python callbacks do not
-run there).
-"""
+"""Chapter 1 figures: KV-cache memory against context."""
 from __future__ import annotations
 
 import matplotlib
+import numpy as np
 
-import matplotlib.pyplot as plt
+from ..memory import PRESETS, kv_cache_bytes
+from .style import GB, MB, figure
 
-__all__ = ["COLORS", "figure", "interact", "GB", "MB"]
-
-COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f"]
-MB = 1e6
-GB = 1e9
-
-
-def figure(ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 3.6, **kw):
-    """A figure in the book's style: fixed size and dpi, light grid, no top/right spines."""
-    plt.rcParams.update({
-        "figure.dpi": 100, "savefig.dpi": 100, "axes.grid": True, "grid.alpha": 0.3,
-        "axes.spines.top": False, "axes.spines.right": False, "font.size": 10,
-        "axes.prop_cycle": matplotlib.cycler(color=COLORS), "legend.frameon": False,
-    })
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), **kw)
-    return fig, axes
-
-
-def interact(plot_fn, **controls):
-    """``ipywidgets.interact`` over ``plot_fn``; closes each figure after showing it."""
-    import ipywidgets as widgets
-    from IPython.display import display
-
-    def show(**kw):
-        fig = plot_fn(**kw)
-        display(fig)
-        plt.close(fig)
-
-    return widgets.interact(show, **controls)
-
-
-# ----------------------------------------------------------------- Chapter 1: memory
 MACBOOK_AIR_BYTES = 16 * 2**30  # a 16 GB MacBook Air: 16 GiB of unified memory
 
 
 def _contexts(lo: int = 512, hi: int = 1 << 20, n: int = 64):
-    import numpy as np
     return np.unique(np.geomspace(lo, hi, n).astype(int))
 
 
@@ -55,7 +19,6 @@ def plot_kv_memory(presets=None, bit_widths=(16, 8, 4, 3, 2), max_context: int =
 
     Payload bits only (no side information), batch 1; the dashed line is 16 GB.
     """
-    from .memory import PRESETS, kv_cache_bytes
     names = list(presets or PRESETS)
     ncols = 3
     nrows = -(-len(names) // ncols)
@@ -82,7 +45,6 @@ def plot_kv_calculator(preset: str = "llama-3.1-8b", context: int = 32768, bits:
                        side_bits_per_vector: float = 16):
     """One preset's KV memory against context at ``bits`` (+ side bits) and at fp16,
     with the chosen context marked and its size written on the figure."""
-    from .memory import PRESETS, kv_cache_bytes
     g = PRESETS[preset]
     fig, ax = figure(width=6.4, height=3.4)
     ctx = _contexts(hi=max(1 << 20, context))
@@ -103,17 +65,3 @@ def plot_kv_calculator(preset: str = "llama-3.1-8b", context: int = 32768, bits:
     return fig
 
 
-def table(rows, headers, floatfmt: str = ".4g") -> str:
-    """A plain-text table (monospace columns) for printing measured results."""
-    def fmt(v):
-        if isinstance(v, bool):
-            return str(v)
-        if isinstance(v, float):
-            return format(v, floatfmt)
-        if isinstance(v, int):
-            return f"{v:,}"
-        return str(v)
-    cells = [[fmt(v) for v in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    line = lambda r: "  ".join(s.rjust(w) for s, w in zip(r, widths))
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
