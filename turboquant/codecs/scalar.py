@@ -87,6 +87,14 @@ class TurboQuantMSE(Codec):
         """E‖u − û‖² for unit u: D · C(f, b), the codebook's per-coordinate MSE times D."""
         return self.dim * self.codebook.mse
 
+    @property
+    def inner_product_slope(self) -> float:
+        """E[x̂ | x] = α·x with α = 1 − D·C(f, b) (Haar rotation, averaged over Π).
+
+        At the Lloyd fixed point Σ c_i m1_i = E[y²] − C, so α = D·E[y Q(y)] = 1 − D·C:
+        ≈ 2/π at one bit. Inner products ⟨q, x̂⟩ are shrunk by this factor."""
+        return 1.0 - self.expected_mse
+
     def config(self) -> dict:
         return {"codec": self.name, "dim": self.dim, "bits": self.bits,
                 "rotation": self.rotation.kind, "seed": self.seed, "law": self.law}

@@ -1,0 +1,183 @@
+"""QJL sign sketches and TurboQuant_prod: unbiased inner products (Chapter 4).
+
+QJL (Zandieh, Daliri, Han, arXiv 2406.03482): store sign(S k) ∈ {±1}^m and ‖k‖; for a
+query q the estimator
+
+    ⟨q, k⟩ ≈ c · ‖k‖ · ⟨S q, sign(S k)⟩
+
+is unbiased. For S with i.i.d. N(0, 1) entries c = √(π/2)/m, because
+E[⟨s, q⟩ sign⟨s, k⟩] = √(2/π)·⟨q, k⟩/‖k‖, and Var = (π/2·‖q‖²‖k‖² − ⟨q, k⟩²)/m.
+With ``orthogonal=True`` the rows are unit rows of independent Haar matrices (blocks of
+D); each row is uniform on S^{D−1}, so E[⟨s, q⟩ sign⟨s, k⟩] = E|s_1|·⟨q, k⟩/‖k‖ and
+c = 1/(m·E|s_1|), E|s_1| = Γ(D/2)/(√π Γ((D+1)/2)).
+
+TurboQuant_prod (arXiv 2504.19874, Algorithm 2): TurboQuant_mse at b − 1 bits, then QJL
+with m = D on the residual r = x − x̃_mse, whose norm γ is stored in fp16.
+"""
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+from scipy.special import gammaln
+
+from ..packing import pack, packed_words, unpack
+from .base import Code, Codec, check_input, register, split_norm
+from .scalar import TurboQuantMSE
+
+__all__ = ["QJL", "TurboQuantProd"]
+
+
+def _sketch_matrix(dim: int, m: int, orthogonal: bool, seed: int) -> np.ndarray:
+    rng = np.random.default_rng([int(seed), dim, m, int(orthogonal), 7919])
+    if not orthogonal:
+        return rng.standard_normal((m, dim))
+    blocks = []
+    for _ in range(-(-m // dim)):
+        q, r = np.linalg.qr(rng.standard_normal((dim, dim)))
+        blocks.append((q * np.sign(np.diag(r))[None, :]).T)  # rows of a Haar matrix
+    return np.concatenate(blocks)[:m]
+
+
+@register
+class QJL(Codec):
+    """QJL(dim, m=None, orthogonal=False, seed=0): a 1-bit sketch of m projections.
+
+    Code fields ``signs`` (…, ceil(m/32)) uint32, ``norm`` (…, 1) float16.
+    ``decode`` returns the unbiased estimate c·‖k‖·Sᵀ sign(S k) (…, D).
+    """
+
+    name = "qjl"
+
+    def __init__(self, dim: int, m: int | None = None, orthogonal: bool = False, seed: int = 0):
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
+            raise ValueError(f"dim must be an int >= 2, got {dim!r}")
+        m = dim if m is None else m
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"m must be a positive int, got {m!r}")
+        self.dim, self.m, self.orthogonal, self.seed = dim, m, bool(orthogonal), seed
+        self.S = mx.array(_sketch_matrix(dim, m, self.orthogonal, seed), dtype=mx.float32)  # (m, D)
+        self.scale = self.constant(dim, m, self.orthogonal)
+
+    @staticmethod
+    def constant(dim: int, m: int, orthogonal: bool) -> float:
+        """The estimator's constant c: √(π/2)/m (Gaussian rows) or 1/(m·E|s_1|) (unit rows)."""
+        if not orthogonal:
+            return math.sqrt(math.pi / 2) / m
+        e_abs = math.exp(gammaln(dim / 2) - 0.5 * math.log(math.pi) - gammaln((dim + 1) / 2))
+        return 1.0 / (m * e_abs)
+
+    @staticmethod
+    def variance(q_norm_sq, k_norm_sq, inner, m: int):
+        """Var of the Gaussian-S estimator: (π/2·‖q‖²‖k‖² − ⟨q,k⟩²)/m."""
+        return (math.pi / 2 * q_norm_sq * k_norm_sq - inner ** 2) / m
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        return (self.m + 16) / self.dim
+
+    @property
+    def nbytes_per_vector(self) -> int:
+        return 4 * packed_words(self.m, 1) + 2
+
+    def config(self) -> dict:
+        return {"codec": self.name, "dim": self.dim, "m": self.m, "orthogonal": self.orthogonal,
+                "seed": self.seed}
+
+    def encode(self, x: mx.array) -> Code:
+        dtype = x.dtype if isinstance(x, mx.array) else None
+        x = check_input(x, self.dim)
+        norm, u = split_norm(x)
+        bits = (u @ self.S.T >= 0).astype(mx.uint32)                     # (…, m)
+        return Code({"signs": pack(bits, 1), "norm": norm.astype(mx.float16)},
+                    tuple(x.shape[:-1]), dtype, self.config())
+
+    def signs(self, code: Code) -> mx.array:
+        """±1 float32 signs (…, m)."""
+        return unpack(code["signs"], 1, self.m).astype(mx.float32) * 2 - 1
+
+    def decode(self, code: Code) -> mx.array:
+        code = self._check_code(code)
+        x = self.scale * code["norm"].astype(mx.float32) * (self.signs(code) @ self.S)
+        return x.astype(code.dtype)
+
+    def inner(self, q: mx.array, code: Code) -> mx.array:
+        """Estimates of ⟨q_i, k_t⟩: q (…, Q, D), code for k (…, T, D) → (…, Q, T) float32."""
+        code = self._check_code(code)
+        q = check_input(q, self.dim)
+        sq = q @ self.S.T                                                 # (…, Q, m)
+        norms = code["norm"].astype(mx.float32)                           # (…, T, 1)
+        return self.scale * (sq @ mx.swapaxes(self.signs(code), -1, -2)) * mx.swapaxes(norms, -1, -2)
+
+
+@register
+class TurboQuantProd(Codec):
+    """TurboQuant_prod(dim, bits, seed=0, rotation="hadamard"): unbiased inner products.
+
+    bits − 1 bits of TurboQuant_mse (none when bits = 1), plus a QJL sketch (m = D) of the
+    residual with its fp16 norm γ. bits_per_coordinate = bits + 32/D (16/D when bits = 1).
+    """
+
+    name = "turboquant_prod"
+
+    def __init__(self, dim: int, bits: int, seed: int = 0, rotation: str = "hadamard"):
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 9:
+            raise ValueError(f"bits must be an int in 1..9, got {bits!r}")
+        self.dim, self.bits, self.seed, self.rotation = dim, bits, seed, rotation
+        self.mse = TurboQuantMSE(dim, bits - 1, rotation=rotation, seed=seed) if bits > 1 else None
+        self.qjl = QJL(dim, m=dim, seed=seed)
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        return (self.mse.bits_per_coordinate if self.mse else 0) + self.qjl.bits_per_coordinate
+
+    @property
+    def nbytes_per_vector(self) -> int:
+        return (self.mse.nbytes_per_vector if self.mse else 0) + self.qjl.nbytes_per_vector
+
+    def expected_inner_error(self, y_norm_sq: float = 1.0) -> float:
+        """E|⟨y,x⟩ − ⟨y,x̃⟩|² for unit x and y uniform with ‖y‖² = y_norm_sq:
+        (π/2 − 1/D)·‖y‖²·D_mse(b − 1)/D, with D_mse(0) = 1."""
+        r2 = self.mse.expected_mse if self.mse else 1.0
+        return (math.pi / 2 - 1 / self.dim) * y_norm_sq * r2 / self.dim
+
+    def config(self) -> dict:
+        return {"codec": self.name, "dim": self.dim, "bits": self.bits, "seed": self.seed,
+                "rotation": self.rotation}
+
+    def encode(self, x: mx.array) -> Code:
+        dtype = x.dtype if isinstance(x, mx.array) else None
+        x = check_input(x, self.dim)
+        arrays = {}
+        residual = x
+        if self.mse is not None:
+            c = self.mse.encode(x)
+            arrays.update(c.arrays)
+            residual = x - self.mse.decode(c)
+        r = self.qjl.encode(residual)
+        arrays.update({"signs": r["signs"], "gamma": r["norm"]})
+        return Code(arrays, tuple(x.shape[:-1]), dtype, self.config())
+
+    def _parts(self, code: Code):
+        shape, dt = code.shape, mx.float32
+        mse = Code({"idx": code["idx"], "norm": code["norm"]}, shape, dt, self.mse.config()) if self.mse else None
+        qjl = Code({"signs": code["signs"], "norm": code["gamma"]}, shape, dt, self.qjl.config())
+        return mse, qjl
+
+    def decode(self, code: Code) -> mx.array:
+        code = self._check_code(code)
+        mse, qjl = self._parts(code)
+        x = self.qjl.decode(qjl)
+        if mse is not None:
+            x = x + self.mse.decode(mse)
+        return x.astype(code.dtype)
+
+    def inner(self, q: mx.array, code: Code) -> mx.array:
+        """Unbiased ⟨q_i, x_t⟩: q (…, Q, D) against codes (…, T) → (…, Q, T) float32."""
+        code = self._check_code(code)
+        mse, qjl = self._parts(code)
+        out = self.qjl.inner(q, qjl)
+        if mse is not None:
+            out = out + check_input(q, self.dim) @ mx.swapaxes(self.mse.decode(mse), -1, -2)
+        return out
