@@ -237,3 +237,58 @@ def _beta_codebook(dim: int, bits: int) -> ScalarCodebook:
 @lru_cache(maxsize=None)
 def _gaussian_codebook(dim: int, bits: int) -> ScalarCodebook:
     return lloyd_max(GaussianLaw(1 / np.sqrt(dim)), 2 ** bits)
+
+
+# ------------------------------------------------------------------ vector Lloyd (k-means)
+def nearest(x: np.ndarray, codebook: np.ndarray, chunk: int = 1 << 22) -> tuple[np.ndarray, np.ndarray]:
+    """Nearest codeword for each row: x (n, k), codebook (N, k) → (indices (n,), squared
+    distances (n,)), in row chunks so memory stays O(chunk)."""
+    c2 = np.sum(codebook * codebook, axis=1)
+    rows = max(1, chunk // max(1, len(codebook)))
+    idx = np.empty(len(x), dtype=np.int64)
+    dist = np.empty(len(x))
+    for s in range(0, len(x), rows):
+        xs = x[s:s + rows]
+        d = np.sum(xs * xs, axis=1)[:, None] - 2 * xs @ codebook.T + c2[None, :]
+        idx[s:s + rows] = np.argmin(d, axis=1)
+        dist[s:s + rows] = np.maximum(d[np.arange(len(xs)), idx[s:s + rows]], 0)
+    return idx, dist
+
+
+def kmeans(x: np.ndarray, init: np.ndarray, max_iter: int = 200, tol: float = 1e-7) -> tuple[np.ndarray, float]:
+    """Lloyd's algorithm for vectors from ``init`` (N, k); never returns a codebook worse
+    on ``x`` than ``init``. Empty cells take the worst-served sample. → (codebook, mse)."""
+    c = np.array(init, dtype=np.float64)
+    n_codes, k = c.shape
+    idx, dist = nearest(x, c)
+    best_c, best = c.copy(), float(dist.mean())
+    for _ in range(max_iter):
+        counts = np.bincount(idx, minlength=n_codes)
+        sums = np.stack([np.bincount(idx, weights=x[:, j], minlength=n_codes) for j in range(k)], 1)
+        new = np.where(counts[:, None] > 0, sums / np.maximum(counts, 1)[:, None], c)
+        for e in np.flatnonzero(counts == 0):      # deterministic repair of empty cells
+            worst = int(np.argmax(dist))
+            new[e] = x[worst]
+            dist[worst] = 0
+        c = new
+        idx, dist = nearest(x, c)
+        cur = float(dist.mean())
+        if cur < best:
+            improved = (best - cur) / max(best, 1e-300)
+            best_c, best = c.copy(), cur
+            if improved < tol:
+                break
+        else:
+            break
+    return best_c, best
+
+
+def kmeans_pp(x: np.ndarray, n_codes: int, rng: np.random.Generator) -> np.ndarray:
+    """k-means++ seeding (D² sampling) from the rows of x."""
+    centers = [x[rng.integers(len(x))]]
+    d = np.sum((x - centers[0]) ** 2, axis=1)
+    for _ in range(1, n_codes):
+        p = d / d.sum() if d.sum() > 0 else None
+        centers.append(x[rng.choice(len(x), p=p)])
+        d = np.minimum(d, np.sum((x - centers[-1]) ** 2, axis=1))
+    return np.array(centers)

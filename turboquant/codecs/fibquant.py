@@ -1,0 +1,257 @@
+"""FibQuant: vector codebooks on the spherical-Beta source (Chapter 6).
+
+After normalizing and a Haar rotation every block of k coordinates has the law f_{D,k}
+on the unit ball (``sphere.block_pdf``), whatever the model, so one codebook of N
+codewords per (D, k) serves every input, at rate b = log2(N)/k bits per coordinate —
+fractional, and below one bit when N < 2^k (FibQuant, arXiv 2605.11478).
+
+Construction (``fibquant_codebook``):
+- radii by Bennett–Gersho companding: the optimal point density is ∝ f^{k/(k+2)}, so
+  radii satisfy r² ~ Beta(k/2, β), β = 1 + (k/(k+2))·(D−k−2)/2, taken at the quantiles
+  q_n = (n − ½)/N: r_n = sqrt(I⁻¹_{q_n}(k/2, β)) (on the sphere itself when k = D);
+- directions: k = 2 a golden-angle spiral θ_n = 2πn(1 − 1/φ); k = 3 a Fibonacci sphere;
+  k ≥ 4 a Roberts–Kronecker sequence (φ_k the root of x^(k+1) = x + 1) mapped to S^(k−1)
+  through the Gaussian quantile function;
+- refinement: Lloyd (k-means) on seeded samples of f_{D,k}, restarted from the spiral and
+  from k-means++ seeds; the result with the lowest held-out MSE wins, the spiral included,
+  so refinement is never worse than its initialization.
+Codebooks are pure functions of (D, k, N, seed), cached in memory and on disk.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from scipy import special
+
+from ..lloyd import kmeans, kmeans_pp, nearest
+from ..packing import MAX_PACK_BITS, index_bits, pack, packed_words, unpack
+from ..rotation import Rotation
+from ..sphere import sample_block
+from .base import Code, Codec, check_input, register, split_norm
+
+__all__ = ["FibQuant", "VectorCodebook", "fibquant_codebook", "spiral_codebook",
+           "companded_radii", "CODEBOOK_VERSION"]
+
+CODEBOOK_VERSION = 2
+GOLDEN = (1 + math.sqrt(5)) / 2
+_CHUNK_ELEMENTS = 1 << 23
+
+
+@dataclass(frozen=True)
+class VectorCodebook:
+    """codewords (N, k) float64; ``mse``: held-out E‖u_b − c‖² per block; ``init_mse``
+    the same for the spiral before refinement; ``start``: which start won (−1: the spiral
+    unrefined, 0: Lloyd from the spiral, r ≥ 1: Lloyd from k-means++ seed r);
+    ``seconds`` to build (0 if cached)."""
+
+    codewords: np.ndarray
+    mse: float
+    init_mse: float
+    dim: int
+    seed: int
+    start: int = 0
+    seconds: float = 0.0
+
+    @property
+    def k(self) -> int:
+        return self.codewords.shape[1]
+
+    @property
+    def n(self) -> int:
+        return self.codewords.shape[0]
+
+
+def companded_radii(dim: int, k: int, n: int) -> np.ndarray:
+    """Codeword radii r_1 < … < r_N from the companded law r² ~ Beta(k/2, β)."""
+    if k == dim:
+        return np.ones(n)
+    beta = 1 + (k / (k + 2)) * (dim - k - 2) / 2
+    q = (np.arange(1, n + 1) - 0.5) / n
+    return np.sqrt(special.betaincinv(k / 2, beta, q))
+
+
+def _generalized_golden(k: int) -> float:
+    """φ_k: the positive root of x^(k+1) = x + 1 (φ_1 = golden ratio)."""
+    x = 2.0
+    for _ in range(100):
+        x = (1 + x) ** (1 / (k + 1))
+    return x
+
+
+def _directions(k: int, n: int) -> np.ndarray:
+    """n low-discrepancy unit directions in R^k: (n, k)."""
+    idx = np.arange(n)
+    if k == 1:
+        return np.where(idx % 2 == 0, 1.0, -1.0)[:, None]
+    if k == 2:
+        theta = 2 * np.pi * idx * (1 - 1 / GOLDEN)
+        return np.stack([np.cos(theta), np.sin(theta)], 1)
+    if k == 3:
+        z = 1 - 2 * (idx + 0.5) / n
+        theta = 2 * np.pi * idx * (1 - 1 / GOLDEN)
+        s = np.sqrt(1 - z * z)
+        return np.stack([s * np.cos(theta), s * np.sin(theta), z], 1)
+    phi = _generalized_golden(k)
+    alpha = 1 / phi ** np.arange(1, k + 1)
+    u = np.mod(0.5 + np.outer(idx + 1, alpha), 1.0)
+    g = special.ndtri(np.clip(u, 1e-12, 1 - 1e-12))
+    return g / np.linalg.norm(g, axis=1, keepdims=True)
+
+
+def spiral_codebook(dim: int, k: int, n: int) -> np.ndarray:
+    """The unrefined Fibonacci codebook: companded radii times low-discrepancy directions."""
+    return companded_radii(dim, k, n)[:, None] * _directions(k, n)
+
+
+def _check(dim, k, n):
+    for name, v, lo in (("dim", dim, 2), ("k", k, 1), ("n_codewords", n, 2)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    if dim % k:
+        raise ValueError(f"block size k={k} must divide D={dim}")
+    if index_bits(int(n)) > MAX_PACK_BITS:
+        raise ValueError(f"n_codewords={n} needs more than {MAX_PACK_BITS} bits per index")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TURBOQUANT_CACHE", Path.home() / ".cache" / "turboquant"))
+
+
+def fibquant_codebook(dim: int, k: int, n: int, seed: int = 0, restarts: int = 4,
+                      use_disk: bool = True) -> VectorCodebook:
+    """The refined FibQuant codebook for (D, k, N, seed): memory cache, then disk cache
+    (``$TURBOQUANT_CACHE`` or ~/.cache/turboquant), then built (and saved)."""
+    _check(dim, k, n)
+    return _codebook(int(dim), int(k), int(n), int(seed), int(restarts), bool(use_disk))
+
+
+@lru_cache(maxsize=64)
+def _codebook(dim, k, n, seed, restarts, use_disk) -> VectorCodebook:
+    path = _cache_dir() / "fibquant" / f"v{CODEBOOK_VERSION}_D{dim}_k{k}_N{n}_s{seed}_r{restarts}.npz"
+    if use_disk and path.exists():
+        try:
+            z = np.load(path)
+            cb = VectorCodebook(z["codewords"], float(z["mse"]), float(z["init_mse"]), dim, seed,
+                                int(z["start"]))
+            if cb.codewords.shape == (n, k) and np.all(np.isfinite(cb.codewords)):
+                return cb
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache file is rebuilt, never trusted
+    cb = _build(dim, k, n, seed, restarts)
+    if use_disk:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
+            np.savez(tmp, codewords=cb.codewords, mse=cb.mse, init_mse=cb.init_mse, start=cb.start)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache only costs rebuild time
+    return cb
+
+
+def _build(dim, k, n, seed, restarts) -> VectorCodebook:
+    import time
+    t0 = time.perf_counter()
+    n_train = max(20000, 100 * n) // max(1, k // 8)
+    train = sample_block(n_train, dim, k, seed=seed)
+    valid = sample_block(n_train, dim, k, seed=seed + 10_000_019)
+    init = spiral_codebook(dim, k, n)
+    best, best_mse, winner = init, float(nearest(valid, init)[1].mean()), -1
+    init_mse = best_mse
+    rng = np.random.default_rng([seed, dim, k, n])
+    starts = [init] + [kmeans_pp(train, n, rng) for _ in range(max(0, restarts - 1))]
+    for r, start in enumerate(starts):
+        c, _ = kmeans(train, start)
+        m = float(nearest(valid, c)[1].mean())
+        if m < best_mse:
+            best, best_mse, winner = c, m, r
+    return VectorCodebook(best, best_mse, init_mse, dim, seed, winner, time.perf_counter() - t0)
+
+
+@register
+class FibQuant(Codec):
+    """FibQuant(dim, k=2, n_codewords=None, bits=None, seed=0, rotation="haar").
+
+    Give ``n_codewords`` (N) or ``bits`` (b, then N = 2^(b·k) must be a whole number).
+    Code fields ``idx`` (…, ceil(D/k · ceil(log2 N)/32)) uint32 and ``norm`` (…, 1) fp16.
+    """
+
+    name = "fibquant"
+
+    def __init__(self, dim: int, k: int = 2, n_codewords: int | None = None, bits: float | None = None,
+                 seed: int = 0, rotation: str = "haar"):
+        if (n_codewords is None) == (bits is None):
+            raise ValueError("give exactly one of n_codewords or bits")
+        if bits is not None:
+            if not isinstance(bits, (int, float)) or isinstance(bits, bool) or not bits > 0:
+                raise ValueError(f"bits must be a positive number, got {bits!r}")
+            exact = 2 ** (bits * k)
+            n_codewords = int(round(exact))
+            if abs(exact - n_codewords) > 1e-9 * exact:
+                raise ValueError(f"bits={bits} with k={k} gives N = 2^{bits * k:g}, not a whole number")
+        _check(dim, k, n_codewords)
+        self.dim, self.k, self.n_codewords, self.seed = dim, k, int(n_codewords), seed
+        self.index_bits = index_bits(self.n_codewords)
+        self.rotation = Rotation(rotation, dim, seed)
+        self.codebook = fibquant_codebook(dim, k, self.n_codewords, seed)
+        self.codewords = mx.array(self.codebook.codewords, dtype=mx.float32)   # (N, k)
+        self._c2 = mx.sum(self.codewords * self.codewords, axis=1)             # (N,)
+
+    @property
+    def rate(self) -> float:
+        """Nominal rate log2(N)/k bits per coordinate (no side information)."""
+        return math.log2(self.n_codewords) / self.k
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        return self.index_bits / self.k + 16 / self.dim
+
+    @property
+    def nbytes_per_vector(self) -> int:
+        return 4 * packed_words(self.dim // self.k, self.index_bits) + 2
+
+    @property
+    def expected_mse(self) -> float:
+        """E‖u − û‖² for unit u: the codebook's held-out per-block MSE times D/k."""
+        return self.codebook.mse * self.dim / self.k
+
+    def config(self) -> dict:
+        return {"codec": self.name, "dim": self.dim, "k": self.k, "n_codewords": self.n_codewords,
+                "seed": self.seed, "rotation": self.rotation.kind}
+
+    def quantize_rotated(self, y: mx.array) -> mx.array:
+        """Rotated unit vectors (…, D) → block indices (…, D/k) uint32, chunked over rows."""
+        blocks = y.reshape(-1, self.k)                                      # (rows·D/k, k)
+        rows = max(1, _CHUNK_ELEMENTS // self.n_codewords)
+        out = []
+        for s in range(0, blocks.shape[0], rows):
+            b = blocks[s:s + rows]
+            d = self._c2 - 2 * (b @ self.codewords.T)                       # (rows, N)
+            out.append(mx.argmin(d, axis=1).astype(mx.uint32))
+            if len(out) > 1:
+                mx.eval(out[-1])                                            # bound live memory
+        idx = mx.concatenate(out) if out else mx.zeros((0,), mx.uint32)
+        return idx.reshape(*y.shape[:-1], self.dim // self.k)
+
+    def encode(self, x: mx.array) -> Code:
+        dtype = x.dtype if isinstance(x, mx.array) else None
+        x = check_input(x, self.dim)
+        norm, u = split_norm(x)
+        idx = self.quantize_rotated(self.rotation.apply(u))
+        return Code({"idx": pack(idx, self.index_bits), "norm": norm.astype(mx.float16)},
+                    tuple(x.shape[:-1]), dtype, self.config())
+
+    def decode_rotated(self, code: Code) -> mx.array:
+        idx = unpack(code["idx"], self.index_bits, self.dim // self.k).astype(mx.int32)
+        return mx.take(self.codewords, idx, axis=0).reshape(*idx.shape[:-1], self.dim)
+
+    def decode(self, code: Code) -> mx.array:
+        code = self._check_code(code)
+        x = self.rotation.invert(self.decode_rotated(code)) * code["norm"].astype(mx.float32)
+        return x.astype(code.dtype)
