@@ -97,7 +97,7 @@ def test_interface_rules():
     c = FibQuant(80, k=4, n_codewords=32, seed=2)
     x = mx.random.normal((2, 3, 80), key=mx.random.key(0)).astype(mx.bfloat16)
     code = c.encode(x)
-    assert code["idx"].shape == (2, 3, math.ceil(20 * 5 / 32))
+    assert code["idx"].shape == (2, 3, math.ceil(20 * 5 / 8))
     assert c.decode(code).dtype == mx.bfloat16 and c.decode(code).shape == x.shape
     assert c.bits_per_coordinate == 5 / 4 + 16 / 80
     assert code.nbytes == 6 * c.nbytes_per_vector

@@ -6,10 +6,12 @@ multiple of H_kv (grouped-query attention repeats each kv head H/H_kv times).
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import mlx.core as mx
 
-__all__ = ["reference_attention", "cosine_similarity", "relative_error"]
+__all__ = ["reference_attention", "cosine_similarity", "relative_error", "attention_fidelity",
+           "attention_from_codes", "codes_attention"]
 
 
 def _repeat_kv(x: mx.array, n_heads: int) -> mx.array:
@@ -67,3 +69,154 @@ def attention_fidelity(q: mx.array, k: mx.array, v: mx.array, k_hat: mx.array,
     ds = (q.astype(mx.float32) * s) @ mx.swapaxes(_repeat_kv((k_hat - k).astype(mx.float32), H), -1, -2)
     return {"cos_mean": mx.mean(cos).item(), "cos_min": mx.min(cos).item(),
             "rel_error": relative_error(approx, exact), "score_rmse": mx.sqrt(mx.mean(ds * ds)).item()}
+
+
+# ------------------------------------------------------------------ from codes (Chapter 7)
+def _rotated(codec) -> bool:
+    return hasattr(codec, "decode_rotated") and hasattr(codec, "rotation")
+
+
+def _causal(mask, Tq: int, T: int):
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask {mask!r}")
+        return mx.arange(T - Tq, T)[:, None] >= mx.arange(T)[None]
+    return mask
+
+
+def _score_table(q_rot: mx.array, codec, code) -> mx.array:
+    """Vector codes: per-query table of ⟨q-block, codeword⟩, looked up per block.
+
+    q_rot (B, H_kv, R, Tq, D) → scores of the unit codes (B, H_kv, R, Tq, T)."""
+    from .packing import unpack
+    B, H, R, Tq, D = q_rot.shape
+    k, n = codec.k, codec.n_codewords
+    table = q_rot.reshape(B, H, R, Tq, D // k, k) @ codec.codewords.T           # (B, H, R, Tq, D/k, N)
+    idx = unpack(code["idx"], codec.index_bits, D // k).astype(mx.int32)        # (B, H, T, D/k)
+    T = idx.shape[2]
+    flat = table.reshape(B, H, R * Tq, 1, D // k * n)                           # one row per query
+    pos = (idx + mx.arange(D // k, dtype=mx.int32) * n).reshape(B, H, 1, T * (D // k))
+    looked = mx.take_along_axis(flat.reshape(B, H, R * Tq, D // k * n),
+                                mx.broadcast_to(pos, (B, H, R * Tq, T * (D // k))), axis=-1)
+    return looked.reshape(B, H, R, Tq, T, D // k).sum(axis=-1)
+
+
+def _byte_table_scores(q_rot: mx.array, codec, code) -> mx.array:
+    """Scalar codes with b ∈ {1, 2, 4, 8}: each stored byte holds 8/b indices, so a per-query
+    table of 256 entries per byte position gives the scores from T·D·b/8 lookups of the
+    stored bytes, with no unpacking and no per-coordinate centroid gather.
+
+    q_rot (B, H_kv, R, Tq, D) → scores of the unit codes (B, H_kv, R, Tq, T)."""
+    B, H, R, Tq, D = q_rot.shape
+    b = codec.bits
+    per, P = 8 // b, D * b // 8
+    byte = mx.arange(256, dtype=mx.uint32)
+    cents = [mx.take(codec.centroids, ((byte >> (b * s)) & ((1 << b) - 1)).astype(mx.int32)) for s in range(per)]
+    qp = q_rot.reshape(B, H, R * Tq, P, per)
+    table = sum(qp[..., s:s + 1] * cents[s] for s in range(per))              # (B, H, R·Tq, P, 256)
+    idx = code["idx"]                                                          # (B, H, T, P) uint8
+    T = idx.shape[2]
+    pos = (idx.astype(mx.int32) + mx.arange(P, dtype=mx.int32) * 256).reshape(B, H, 1, T * P)
+    looked = mx.take_along_axis(table.reshape(B, H, R * Tq, P * 256),
+                                mx.broadcast_to(pos, (B, H, R * Tq, T * P)), axis=-1)
+    return looked.reshape(B, H, R, Tq, T, P).sum(axis=-1)
+
+
+def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, mask=None) -> mx.array:
+    """softmax(q kᵀ·scale) v with K and V read from ``CodesView`` objects: (B, H, Tq, D).
+
+    For codecs with a rotated frame (TurboQuant_mse, FibQuant) the query is rotated once,
+    scores are ν_t·⟨Πq, c[i_t]⟩ (vector codes: a table of ⟨q-block, codeword⟩ per query,
+    looked up per block; scalar codes with b ∈ {1, 2, 4, 8}: the same idea per stored byte;
+    other scalar codes: gathered centroids), the softmax weights times the
+    value norms sum the value codewords in the rotated frame, and one inverse rotation
+    ends it. Other codecs are dequantized first. Full-precision recent tokens are used as
+    such. Equal to dequantize-then-attend up to float rounding.
+    """
+    B, H, Tq, D = q.shape
+    Hk = keys.shape[1]
+    if H % Hk:
+        raise ValueError(f"query heads {H} are not a multiple of kv heads {Hk}")
+    R = H // Hk
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    qf = (q.astype(mx.float32) * scale).reshape(B, Hk, R, Tq, D)
+    T = keys.shape[2]
+    r = 0 if keys.recent is None else keys.recent.shape[2]
+
+    kc = keys.codec
+    if _rotated(kc):
+        code = keys.code()
+        qr = kc.rotation.apply(qf)
+        if hasattr(kc, "codewords"):
+            unit = _score_table(qr, kc, code)
+        elif getattr(kc, "bits", None) in (1, 2, 4, 8) and hasattr(kc, "centroids"):
+            unit = _byte_table_scores(qr, kc, code)
+        else:
+            unit = qr @ mx.swapaxes(kc.decode_rotated(code), -1, -2)[:, :, None]
+        scores = unit * mx.swapaxes(code["norm"].astype(mx.float32), -1, -2)[:, :, None]
+    else:
+        kfull = keys.dequantize() if not r else keys.codec.decode(keys.code())
+        scores = qf @ mx.swapaxes(kfull.astype(mx.float32), -1, -2)[:, :, None]
+    if r:
+        recent = qf @ mx.swapaxes(keys.recent.astype(mx.float32), -1, -2)[:, :, None]
+        scores = mx.concatenate([scores[..., : T - r], recent], axis=-1)
+
+    if mask is not None:
+        m = _causal(mask, Tq, T)
+        if m.ndim == 4:
+            m = mx.expand_dims(m, 2)
+        scores = mx.where(m, scores, -mx.inf) if m.dtype == mx.bool_ else scores + m
+    p = mx.softmax(scores, axis=-1, precise=True)                              # (B, Hk, R, Tq, T)
+
+    vc = values.codec
+    rv = 0 if values.recent is None else values.recent.shape[2]
+    if _rotated(vc):
+        code = values.code()
+        w = p * mx.swapaxes(code["norm"].astype(mx.float32), -1, -2)[:, :, None]
+        if rv:
+            w = w[..., : T - rv]
+        units = vc.decode_rotated(code)
+        units = units[..., : T - rv, :] if rv else units
+        out = vc.rotation.invert(w @ units[:, :, None])
+    else:
+        vfull = vc.decode(values.code()).astype(mx.float32)
+        vfull = vfull[..., : T - rv, :] if rv else vfull
+        out = (p[..., : T - rv] if rv else p) @ vfull[:, :, None]
+    if rv:
+        out = out + p[..., T - rv:] @ values.recent.astype(mx.float32)[:, :, None]
+    return out.reshape(B, H, Tq, D).astype(q.dtype)
+
+
+@contextmanager
+def codes_attention(model):
+    """Route an mlx-lm model's attention through ``attention_from_codes`` while TurboQuant
+    caches are in use; restored on exit.
+
+    mlx-lm model files import ``scaled_dot_product_attention`` by name, so the attribute
+    of each module that defines one of the model's layers is patched; calls whose keys are
+    not ``CodesView`` (other caches, no cache) go to the original function.
+    """
+    import sys
+    from .cache import CodesView, codes_mode
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    modules = [m for m in modules if hasattr(m, "scaled_dot_product_attention")]
+    originals = {m: m.scaled_dot_product_attention for m in modules}
+
+    def wrap(original):
+        def sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, **kwargs):
+            if isinstance(keys, CodesView):
+                if kwargs.get("sinks") is not None:
+                    raise ValueError("attention sinks are not supported from codes")
+                return attention_from_codes(queries, keys, values, scale=scale, mask=mask)
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+        return sdpa
+
+    token = codes_mode.set(True)
+    try:
+        for m, original in originals.items():
+            m.scaled_dot_product_attention = wrap(original)
+        yield model
+    finally:
+        for m, original in originals.items():
+            m.scaled_dot_product_attention = original
+        codes_mode.reset(token)

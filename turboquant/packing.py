@@ -1,11 +1,11 @@
-"""Exact packing of b-bit indices into uint32 words (any b in 1..16).
+"""Exact packing of b-bit indices into a byte stream (any b in 1..16).
 
-Indices are laid end to end, little-endian within each word: index j occupies bits
-[j·b, (j+1)·b) of the stream, so a width that does not divide 32 (3, 5, 6, 7, …) straddles
-words. The stream pattern repeats every g = 32/gcd(b, 32) indices (b/gcd(b, 32) words),
-so packing is a short static loop of vectorized shifts over those groups. Only the
-ceil(n·b/32) words that hold bits are kept; the zero words of a last partial group are
-dropped and restored on unpacking.
+Indices are laid end to end, little-endian: index j occupies bits [j·b, (j+1)·b) of the
+stream, so a width that does not divide 32 (3, 5, 6, 7, …) straddles words. The shifts
+work on uint32 words: the pattern repeats every g = 32/gcd(b, 32) indices (b/gcd(b, 32)
+words), so packing is a short static loop of vectorized shifts over those groups. The
+words are then viewed as bytes and only the ceil(n·b/8) bytes that hold bits are kept, so
+a code costs exactly its bits rounded up to a byte (D = 80 at 3 bits: 30 bytes, not 32).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import math
 
 import mlx.core as mx
 
-__all__ = ["pack", "unpack", "packed_words", "index_bits"]
+__all__ = ["pack", "unpack", "packed_bytes", "index_bits"]
 
 MAX_PACK_BITS = 16
 
@@ -31,14 +31,14 @@ def _check_bits(bits) -> int:
     return bits
 
 
-def packed_words(n: int, bits: int) -> int:
-    """uint32 words holding ``n`` indices of ``bits`` bits: ceil(n·bits/32)."""
+def packed_bytes(n: int, bits: int) -> int:
+    """Bytes holding ``n`` indices of ``bits`` bits: ceil(n·bits/8)."""
     bits = _check_bits(bits)
-    return -(-n * bits // 32)
+    return -(-n * bits // 8)
 
 
 def pack(indices: mx.array, bits: int) -> mx.array:
-    """(..., n) integer indices in [0, 2^bits) → (..., packed_words(n, bits)) uint32."""
+    """(..., n) integer indices in [0, 2^bits) → (..., packed_bytes(n, bits)) uint8."""
     bits = _check_bits(bits)
     if not isinstance(indices, mx.array):
         raise TypeError(f"indices must be an mx.array, got {type(indices).__name__}")
@@ -63,23 +63,25 @@ def pack(indices: mx.array, bits: int) -> mx.array:
         for wi, part in parts:
             words[wi] = part if words[wi] is None else mx.bitwise_or(words[wi], part)
     out = mx.stack(words, axis=-1)                                 # (..., groups, words)
-    return out.reshape(*out.shape[:-2], -1)[..., :packed_words(n, bits)]
+    words_flat = out.reshape(*out.shape[:-2], -1)                  # (..., words) uint32
+    return words_flat.view(mx.uint8)[..., :packed_bytes(n, bits)]
 
 
-def unpack(words: mx.array, bits: int, n: int) -> mx.array:
-    """Inverse of ``pack``: (..., packed_words(n, bits)) uint32 → (..., n) uint32."""
+def unpack(packed: mx.array, bits: int, n: int) -> mx.array:
+    """Inverse of ``pack``: (..., packed_bytes(n, bits)) uint8 → (..., n) uint32."""
     bits = _check_bits(bits)
-    if not isinstance(words, mx.array) or words.dtype != mx.uint32:
-        raise TypeError("packed words must be an mx.array of dtype uint32")
+    if not isinstance(packed, mx.array) or packed.dtype != mx.uint8:
+        raise TypeError("packed codes must be an mx.array of dtype uint8")
     g = 32 // math.gcd(bits, 32)
     words_per_group = bits * g // 32
-    expected = packed_words(n, bits)
-    if words.ndim < 1 or words.shape[-1] != expected:
-        raise ValueError(f"expected {expected} packed words for {n} indices of {bits} bits, "
-                         f"got shape {tuple(words.shape)}")
-    full = -(-n // g) * words_per_group
+    expected = packed_bytes(n, bits)
+    if packed.ndim < 1 or packed.shape[-1] != expected:
+        raise ValueError(f"expected {expected} packed bytes for {n} indices of {bits} bits, "
+                         f"got shape {tuple(packed.shape)}")
+    full = -(-n // g) * words_per_group * 4
     if full > expected:
-        words = mx.concatenate([words, mx.zeros((*words.shape[:-1], full - expected), mx.uint32)], -1)
+        packed = mx.concatenate([packed, mx.zeros((*packed.shape[:-1], full - expected), mx.uint8)], -1)
+    words = packed.view(mx.uint32)
     wg = words.reshape(*words.shape[:-1], -1, words_per_group)     # (..., groups, words)
     mask = mx.array((1 << bits) - 1, dtype=mx.uint32)
     cols = []

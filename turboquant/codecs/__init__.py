@@ -2,8 +2,10 @@
 from .base import CODECS, Code, Codec, from_config
 from .affine import AffineCodec
 from .fibquant import FibQuant
+from .identity import Identity
 from .polar import PolarQuant
 from .qjl import QJL, TurboQuantProd
 from .scalar import TurboQuantMSE
+from .split import OutlierSplit
 
-__all__ = ["CODECS", "Code", "Codec", "from_config", "TurboQuantMSE", "AffineCodec", "QJL", "TurboQuantProd", "PolarQuant", "FibQuant"]
+__all__ = ["CODECS", "Code", "Codec", "from_config", "TurboQuantMSE", "AffineCodec", "QJL", "TurboQuantProd", "PolarQuant", "FibQuant", "Identity", "OutlierSplit"]

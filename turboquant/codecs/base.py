@@ -8,6 +8,7 @@ which ``from_config`` rebuilds the codec bit for bit.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Mapping
 
@@ -56,8 +57,11 @@ def from_config(config: Mapping) -> "Codec":
     return CODECS[name](**kwargs)
 
 
-def check_input(x, dim: int) -> mx.array:
-    """Validate a batch of vectors (..., D) and return it as float32; raise on bad input."""
+def check_input(x, dim: int, finite: bool = True) -> mx.array:
+    """Validate a batch of vectors (..., D) and return it as float32; raise on bad input.
+
+    ``finite=False`` skips the NaN/Inf scan for callers that go on to ``split_norm``,
+    which detects both in the same device sync as its range check."""
     if not isinstance(x, mx.array):
         raise TypeError(f"expected an mx.array of shape (..., {dim}), got {type(x).__name__}")
     if x.dtype not in _FLOATS:
@@ -65,7 +69,7 @@ def check_input(x, dim: int) -> mx.array:
     if x.ndim < 1 or x.shape[-1] != dim:
         raise ValueError(f"expected last dimension D={dim}, got shape {tuple(x.shape)}")
     x = x.astype(mx.float32)
-    if x.size and not mx.all(mx.isfinite(x)).item():
+    if finite and x.size and not mx.all(mx.isfinite(x)).item():
         raise ValueError("input contains NaN or Inf")
     return x
 
@@ -76,9 +80,14 @@ def split_norm(x: mx.array) -> tuple[mx.array, mx.array]:
     The norm is stored in fp16; a norm above fp16's range is refused, not saturated.
     """
     norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
-    if norm.size and mx.max(norm).item() > FP16_MAX:
-        raise ValueError(f"a vector norm of {mx.max(norm).item():.4g} exceeds fp16's range "
-                         f"({FP16_MAX}); scale the input down")
+    if norm.size:
+        # one sync for both checks: NaN or Inf anywhere in x makes the sum non-finite
+        total, largest = mx.stack([mx.sum(norm), mx.max(norm)]).tolist()
+        if not math.isfinite(total):
+            raise ValueError("input contains NaN or Inf")
+        if largest > FP16_MAX:
+            raise ValueError(f"a vector norm of {largest:.4g} exceeds fp16's range "
+                             f"({FP16_MAX}); scale the input down")
     return norm, x / mx.where(norm > 0, norm, 1.0)
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from scipy import special
 
 from ..lloyd import kmeans, kmeans_pp, nearest
-from ..packing import MAX_PACK_BITS, index_bits, pack, packed_words, unpack
+from ..packing import MAX_PACK_BITS, index_bits, pack, packed_bytes, unpack
 from ..rotation import Rotation
 from ..sphere import sample_block
 from .base import Code, Codec, check_input, register, split_norm
@@ -179,7 +179,7 @@ class FibQuant(Codec):
     """FibQuant(dim, k=2, n_codewords=None, bits=None, seed=0, rotation="haar").
 
     Give ``n_codewords`` (N) or ``bits`` (b, then N = 2^(b·k) must be a whole number).
-    Code fields ``idx`` (…, ceil(D/k · ceil(log2 N)/32)) uint32 and ``norm`` (…, 1) fp16.
+    Code fields ``idx`` (…, ceil(D/k · ceil(log2 N)/8)) uint8 and ``norm`` (…, 1) fp16.
     """
 
     name = "fibquant"
@@ -214,7 +214,7 @@ class FibQuant(Codec):
 
     @property
     def nbytes_per_vector(self) -> int:
-        return 4 * packed_words(self.dim // self.k, self.index_bits) + 2
+        return packed_bytes(self.dim // self.k, self.index_bits) + 2
 
     @property
     def expected_mse(self) -> float:
@@ -241,7 +241,7 @@ class FibQuant(Codec):
 
     def encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
-        x = check_input(x, self.dim)
+        x = check_input(x, self.dim, finite=False)
         norm, u = split_norm(x)
         idx = self.quantize_rotated(self.rotation.apply(u))
         return Code({"idx": pack(idx, self.index_bits), "norm": norm.astype(mx.float16)},

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..lloyd import QuadratureLaw, ScalarCodebook, lloyd_max
-from ..packing import pack, packed_words, unpack
+from ..packing import pack, packed_bytes, unpack
 from ..rotation import Rotation
 from .base import Code, Codec, check_input, register
 from .scalar import bucketize
@@ -87,8 +87,8 @@ class PolarQuant(Codec):
 
     Vectors are zero-padded to a multiple of 2^L (the padding is counted in
     ``bits_per_coordinate``) and rotated in the padded space. Code fields ``b{w}``: the
-    angle indices of all levels that use w bits, concatenated and packed into one uint32
-    stream (fewer padded words than one stream per level); ``radius`` (…, D_pad/2^L) fp16.
+    angle indices of all levels that use w bits, concatenated and packed into one uint8
+    stream (fewer padding bits than one stream per level); ``radius`` (…, D_pad/2^L) fp16.
     """
 
     name = "polarquant"
@@ -131,8 +131,8 @@ class PolarQuant(Codec):
     @property
     def nbytes_per_vector(self) -> int:
         counts = self._counts()
-        words = sum(packed_words(sum(counts[l] for l in ls), b) for b, ls in self._streams().items())
-        return 4 * words + 2 * (self.padded_dim // 2 ** self.levels)
+        nbytes = sum(packed_bytes(sum(counts[l] for l in ls), b) for b, ls in self._streams().items())
+        return nbytes + 2 * (self.padded_dim // 2 ** self.levels)
 
     @property
     def expected_mse(self) -> float:

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from scipy.special import gammaln
 
-from ..packing import pack, packed_words, unpack
+from ..packing import pack, packed_bytes, unpack
 from .base import Code, Codec, check_input, register, split_norm
 from .scalar import TurboQuantMSE
 
@@ -44,7 +44,7 @@ def _sketch_matrix(dim: int, m: int, orthogonal: bool, seed: int) -> np.ndarray:
 class QJL(Codec):
     """QJL(dim, m=None, orthogonal=False, seed=0): a 1-bit sketch of m projections.
 
-    Code fields ``signs`` (…, ceil(m/32)) uint32, ``norm`` (…, 1) float16.
+    Code fields ``signs`` (…, ceil(m/8)) uint8, ``norm`` (…, 1) float16.
     ``decode`` returns the unbiased estimate c·‖k‖·Sᵀ sign(S k) (…, D).
     """
 
@@ -79,7 +79,7 @@ class QJL(Codec):
 
     @property
     def nbytes_per_vector(self) -> int:
-        return 4 * packed_words(self.m, 1) + 2
+        return packed_bytes(self.m, 1) + 2
 
     def config(self) -> dict:
         return {"codec": self.name, "dim": self.dim, "m": self.m, "orthogonal": self.orthogonal,
@@ -87,7 +87,7 @@ class QJL(Codec):
 
     def encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
-        x = check_input(x, self.dim)
+        x = check_input(x, self.dim, finite=False)
         norm, u = split_norm(x)
         bits = (u @ self.S.T >= 0).astype(mx.uint32)                     # (…, m)
         return Code({"signs": pack(bits, 1), "norm": norm.astype(mx.float16)},

@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..lloyd import MAX_BITS, beta_codebook, gaussian_codebook
-from ..packing import pack, packed_words, unpack
+from ..packing import pack, packed_bytes, unpack
 from ..rotation import Rotation
 from .base import Code, Codec, check_input, register, split_norm
 
@@ -49,7 +49,7 @@ class TurboQuantMSE(Codec):
 
     ``bits`` in 1..8 per coordinate; ``rotation`` "hadamard" (D = 2^a, 12·2^a, 20·2^a) or
     "haar" (any D); ``law`` "beta" (exact coordinate law) or "gaussian" (its N(0, 1/D)
-    limit). Code fields: ``idx`` (..., ceil(D·b/32)) uint32, ``norm`` (..., 1) float16.
+    limit). Code fields: ``idx`` (..., ceil(D·b/8)) uint8, ``norm`` (..., 1) float16.
     """
 
     name = "turboquant_mse"
@@ -80,7 +80,7 @@ class TurboQuantMSE(Codec):
 
     @property
     def nbytes_per_vector(self) -> int:
-        return 4 * packed_words(self.dim, self.bits) + 2
+        return packed_bytes(self.dim, self.bits) + 2
 
     @property
     def expected_mse(self) -> float:
@@ -105,7 +105,7 @@ class TurboQuantMSE(Codec):
 
     def encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
-        x = check_input(x, self.dim)
+        x = check_input(x, self.dim, finite=False)
         norm, u = split_norm(x)
         return Code({"idx": self._encode_core(u), "norm": norm.astype(mx.float16)},
                     tuple(x.shape[:-1]), dtype, self.config())

@@ -1,0 +1,263 @@
+"""TurboQuant caches in mlx-lm: exactness, generation, memory, attention from codes, save/load."""
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate, stream_generate
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
+
+import turboquant as tq
+from turboquant.attention import codes_attention
+from turboquant.cache import TurboQuantKVCache, TurboQuantRotatingKVCache
+from turboquant.codecs import (AffineCodec, FibQuant, Identity, OutlierSplit, PolarQuant, TurboQuantMSE,
+                               TurboQuantProd)
+from turboquant.models import tiny_model
+from turboquant.prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache, to_turboquant
+
+
+class ToyTokenizer:
+    """Byte-level stand-in for a Hugging Face tokenizer; enough for mlx_lm.generate."""
+    eos_token_id = 0
+    bos_token = None
+    chat_template = None
+    vocab_size = 256
+
+    def get_vocab(self):
+        return {chr(i): i for i in range(256)}
+
+    def apply_chat_template(self, messages, **kw):  # not used: the tests give raw prompts
+        raise NotImplementedError
+
+    def encode(self, text, **kw):
+        return [b for b in text.encode()]
+
+    def decode(self, ids, **kw):
+        return bytes(i % 256 for i in ids).decode("latin-1")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+
+
+def tokens(n, seed=0):
+    return mx.random.randint(1, 256, (1, n), key=mx.random.key(seed))
+
+
+def run(model, cache, toks, chunks):
+    out, i = [], 0
+    for c in chunks:
+        out.append(model(toks[:, i:i + c], cache=cache))
+        i += c
+    return mx.concatenate(out, axis=1)
+
+
+SPLITS = {"long prefill": [300], "chunked": [128, 128, 44], "decode": [200] + [1] * 100}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_pass_through_caches_equal_mlx_lm(llama, split):
+    toks = tokens(300)
+    D = 16
+    ref = run(llama, [RotatingKVCache(max_size=64) for _ in llama.layers], toks, SPLITS[split])
+    ours = run(llama, [TurboQuantRotatingKVCache(64, Identity(D)) for _ in llama.layers], toks, SPLITS[split])
+    assert mx.abs(ref - ours).max().item() < 1e-5
+    ref = run(llama, [KVCache() for _ in llama.layers], toks, SPLITS[split])
+    ours = run(llama, [TurboQuantKVCache(Identity(D)) for _ in llama.layers], toks, SPLITS[split])
+    assert mx.abs(ref - ours).max().item() < 1e-5
+
+
+def test_sliding_window_layers_of_gemma3_get_rotating_caches():
+    model = tiny_model("gemma3", num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=1, sliding_window=32)
+    cache = make_prompt_cache(model, key_codec=lambda d: Identity(d))
+    assert [type(c).__name__ for c in cache] == ["TurboQuantRotatingKVCache"] * 5 + ["TurboQuantKVCache"]
+    toks = tokens(120, seed=1)
+    for chunks in ([120], [50, 50, 20], [80] + [1] * 40):
+        ref = run(model, mlx_make_prompt_cache(model), toks, chunks)
+        ours = run(model, make_prompt_cache(model, key_codec=lambda d: Identity(d)), toks, chunks)
+        assert mx.abs(ref - ours).max().item() < 1e-5
+
+
+CODECS = {
+    "mse4": lambda d: TurboQuantMSE(d, 4), "prod3": lambda d: TurboQuantProd(d, 3),
+    "polar": lambda d: PolarQuant(d, rotation="haar"), "fib": lambda d: FibQuant(d, 2, 16),
+    "affine": lambda d: AffineCodec(d, 4, 32),
+    "split": lambda d: OutlierSplit(d, n_outliers=4, outlier_bits=4, bits=2, rotation="haar"),
+}
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_generate_runs_with_every_codec(name):
+    model = tiny_model("llama", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2)  # D = 32
+    cache = make_prompt_cache(model, key_codec=CODECS[name], value_codec=lambda d: TurboQuantMSE(d, 3))
+    text = generate(model, ToyTokenizer(), "hello turboquant", max_tokens=8, prompt_cache=cache)
+    assert isinstance(text, str)
+    assert len("hello turboquant") < cache[0].offset <= len("hello turboquant") + 8
+    # asymmetric: values at a different rate than keys
+    assert cache[0].value_codec.bits_per_coordinate != cache[0].key_codec.bits_per_coordinate or name == "prod3"
+
+
+def test_codes_attention_gives_the_same_logits_and_restores(llama):
+    import mlx_lm.models.llama as llama_module
+    original = llama_module.scaled_dot_product_attention
+    toks = tokens(150, seed=2)
+    make = lambda: make_prompt_cache(llama, key_codec=lambda d: TurboQuantMSE(d, 4),
+                                     value_codec=lambda d: FibQuant(d, 2, 16))
+    ref = run(llama, make(), toks, [100] + [1] * 50)
+    with codes_attention(llama):
+        assert llama_module.scaled_dot_product_attention is not original
+        ours = run(llama, make(), toks, [100] + [1] * 50)
+    assert llama_module.scaled_dot_product_attention is original
+    assert mx.abs(ref - ours).max().item() < 1e-4
+
+
+def test_stream_generate_under_codes_attention(llama):
+    cache = make_prompt_cache(llama, key_codec=lambda d: TurboQuantMSE(d, 4))
+    with codes_attention(llama):
+        out = [r.token for r in stream_generate(llama, ToyTokenizer(), "abc", max_tokens=5, prompt_cache=cache)]
+    assert len(out) == 5
+
+
+@pytest.mark.parametrize("make", [lambda d: TurboQuantMSE(d, 3), lambda d: TurboQuantProd(d, 4),
+                                  lambda d: PolarQuant(d), lambda d: FibQuant(d, 4, 256),
+                                  lambda d: AffineCodec(d, 4, 64), lambda d: OutlierSplit(d).fit(mx.ones((1, d)))])
+def test_nbytes_equals_bit_accounting(make):
+    D, B, H, T = 128, 1, 8, 1024
+    codec = make(D)
+    c = TurboQuantKVCache(codec, codec)
+    c.update_and_fetch(mx.random.normal((B, H, T, D)), mx.random.normal((B, H, T, D)))
+    assert abs(c.nbytes / c.code_nbytes() - 1) < 0.01
+    ideal = 2 * B * H * T * D * codec.bits_per_coordinate / 8
+    assert abs(c.nbytes / ideal - 1) < 0.01
+    # against mlx-lm's fp16 KVCache at the same shape
+    ref = KVCache()
+    ref.update_and_fetch(mx.zeros((B, H, T, D), mx.float16), mx.zeros((B, H, T, D), mx.float16))
+    assert c.nbytes / ref.nbytes == pytest.approx(codec.bits_per_coordinate / 16, rel=0.01)
+    assert not hasattr(c, "bits")
+
+
+def test_rotating_memory_is_constant_over_65536_steps():
+    D, W = 32, 64
+    c = TurboQuantRotatingKVCache(W, TurboQuantMSE(D, 3))
+    x = mx.random.normal((1, 2, 1, D))
+    import turboquant.cache as tc
+    token = tc.codes_mode.set(True)                       # no dequantization per step
+    try:
+        sizes = {}
+        for step in range(1, 65537):
+            c.update_and_fetch(x, x)
+            if step % 256 == 0:
+                mx.eval(c.keys.fields, c.values.fields)
+            if step in (W, 1024, 16384, 65536):
+                mx.eval(c.keys.fields, c.values.fields)
+                sizes[step] = c.nbytes
+    finally:
+        tc.codes_mode.reset(token)
+    assert len(set(sizes.values())) == 1 and c.offset == 65536 and c.size() == W
+
+
+def test_trim_and_protocol(llama):
+    c = TurboQuantKVCache(TurboQuantMSE(16, 4), fp_window=4)
+    assert c.empty() and c.nbytes == 0
+    k = mx.random.normal((1, 2, 10, 16))
+    c.update_and_fetch(k, k)
+    assert c.size() == 10 and c.is_trimmable() and c.trim(3) == 3 and c.offset == 7
+    kd, _ = c.update_and_fetch(k[:, :, :2], k[:, :, :2])
+    assert kd.shape == (1, 2, 9, 16)
+    assert mx.allclose(kd[:, :, -2:], k[:, :, :2]).item()        # recent tokens are exact
+    assert c.make_mask(1) is None and c.make_mask(5) == "causal"
+    with pytest.raises(ValueError, match="shape"):
+        c.update_and_fetch(mx.zeros((1, 2, 3, 8)), mx.zeros((1, 2, 3, 8)))
+
+
+def test_to_turboquant_converts_filled_caches(llama):
+    toks = tokens(200, seed=3)
+    cache = [KVCache(), RotatingKVCache(max_size=64)]
+    run(llama, cache, toks, [150] + [1] * 50)
+    conv = to_turboquant(cache, key_codec=lambda d: Identity(d))
+    assert isinstance(conv[1], TurboQuantRotatingKVCache) and conv[1].offset == 200
+    ref = run(llama, cache, toks[:, :1], [1])
+    ours = run(llama, conv, toks[:, :1], [1])
+    assert mx.abs(ref - ours).max().item() < 1e-5
+
+
+def test_save_load_round_trip_is_bit_exact(tmp_path, llama):
+    toks = tokens(90, seed=4)
+    cache = make_prompt_cache(llama, key_codec=lambda d: OutlierSplit(d, n_outliers=4, outlier_bits=4, bits=2,
+                                                                       rotation="haar"),
+                              value_codec=lambda d: TurboQuantMSE(d, 3, seed=7), fp_window=8)
+    run(llama, cache, toks, [60] + [1] * 30)
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(path, cache, {"note": "hi"})
+    loaded, meta = load_prompt_cache(path, return_metadata=True)
+    assert meta == {"note": "hi"}
+    for a, b in zip(cache, loaded):
+        assert a.meta_state == b.meta_state
+        for x, y in zip(a.state, b.state):
+            assert x.keys() == y.keys() and all(mx.array_equal(x[n], y[n]).item() for n in x)
+    nxt = tokens(1, seed=5)
+    assert mx.array_equal(llama(nxt, cache=cache), llama(nxt, cache=loaded)).item()
+
+
+def test_rotating_save_load(tmp_path, llama):
+    cache = [TurboQuantRotatingKVCache(32, FibQuant(16, 2, 16)) for _ in llama.layers]
+    run(llama, cache, tokens(70, seed=6), [40] + [1] * 30)
+    save_prompt_cache(tmp_path / "r.safetensors", cache)
+    loaded = load_prompt_cache(tmp_path / "r.safetensors")
+    nxt = tokens(1, seed=7)
+    assert mx.array_equal(llama(nxt, cache=cache), llama(nxt, cache=loaded)).item()
+
+
+def test_corrupt_truncated_and_foreign_files_raise(tmp_path, llama):
+    cache = make_prompt_cache(llama, key_codec=lambda d: TurboQuantMSE(d, 4))
+    run(llama, cache, tokens(20), [20])
+    good = tmp_path / "good.safetensors"
+    save_prompt_cache(good, cache)
+    data = good.read_bytes()
+    (tmp_path / "trunc.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        load_prompt_cache(tmp_path / "trunc.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(ValueError):
+        load_prompt_cache(tmp_path / "junk.safetensors")
+    mx.save_safetensors(str(tmp_path / "foreign.safetensors"), {"a": mx.zeros(3)})
+    with pytest.raises(ValueError, match="no TurboQuant header"):
+        load_prompt_cache(tmp_path / "foreign.safetensors")
+    arrays, meta = mx.load(str(good), return_metadata=True)
+    meta["turboquant"] = meta["turboquant"].replace('"version": 1', '"version": 99')
+    mx.save_safetensors(str(tmp_path / "future.safetensors"), arrays, meta)
+    with pytest.raises(ValueError, match="version 99"):
+        load_prompt_cache(tmp_path / "future.safetensors")
+    arrays["0.k.idx"] = arrays["0.k.idx"][..., :1]
+    mx.save_safetensors(str(tmp_path / "bad.safetensors"), arrays, mx.load(str(good), return_metadata=True)[1])
+    with pytest.raises(ValueError, match="layer 0"):
+        load_prompt_cache(tmp_path / "bad.safetensors")
+    with pytest.raises(TypeError):
+        save_prompt_cache(tmp_path / "x.safetensors", [KVCache()])
+    assert good.read_bytes() == data                 # failed loads never touch the file
+
+
+@pytest.mark.parametrize("kc, vc, fp_window", [
+    (lambda d: TurboQuantMSE(d, 4), lambda d: TurboQuantMSE(d, 2), 0),
+    (lambda d: TurboQuantMSE(d, 3), lambda d: TurboQuantMSE(d, 8), 0),
+    (lambda d: TurboQuantMSE(d, 1, rotation="haar"), lambda d: FibQuant(d, 4, 256), 0),
+    (lambda d: FibQuant(d, 2, 16), lambda d: PolarQuant(d), 0),
+    (lambda d: TurboQuantMSE(d, 4), lambda d: TurboQuantMSE(d, 4), 32),
+    (lambda d: AffineCodec(d, 4, 64), lambda d: TurboQuantProd(d, 3), 16),
+])
+def test_attention_from_codes_equals_dequantize_then_sdpa(kc, vc, fp_window):
+    from turboquant.attention import attention_from_codes, reference_attention
+    D, T = 64, 300
+    k = mx.random.normal((1, 2, T, D), key=mx.random.key(0))
+    v = mx.random.normal((1, 2, T, D), key=mx.random.key(1))
+    q = mx.random.normal((1, 8, 3, D), key=mx.random.key(2))            # GQA: 8 query heads, 2 kv heads
+    c = TurboQuantKVCache(kc(D), vc(D), fp_window=fp_window)
+    k_hat, v_hat = c.update_and_fetch(k, v)
+    causal = mx.arange(T - 3, T)[:, None] >= mx.arange(T)[None]
+    ref = reference_attention(q, k_hat, v_hat, mask=causal)
+    import turboquant.cache as tc
+    token = tc.codes_mode.set(True)
+    kv, vv = c._fetch(c.keys.slice(0, c.offset), c.values.slice(0, c.offset))
+    tc.codes_mode.reset(token)
+    for mask in (causal, "causal"):
+        assert mx.abs(attention_from_codes(q, kv, vv, mask=mask) - ref).max().item() < 1e-4

@@ -1,0 +1,356 @@
+"""KV caches that store codes and drop into ``mlx_lm.generate`` (Chapter 7).
+
+``TurboQuantKVCache`` follows mlx-lm's cache protocol (``offset``, ``update_and_fetch``,
+``state``/``meta_state``, ``from_state``, ``is_trimmable``/``trim``, ``make_mask``, ``empty``,
+``nbytes``, ``size``). It stores only codes — per-token fields of shape (B, H_kv, T, w) —
+grown in steps of 256 tokens, plus an optional full-precision copy of the most recent R
+tokens. ``update_and_fetch`` returns dequantized K and V, so any model's usual attention
+works unchanged; under ``turboquant.attention.codes_attention`` it returns ``CodesView``
+objects instead and attention is computed from the codes.
+
+``TurboQuantRotatingKVCache`` has the semantics of mlx-lm's ``RotatingKVCache`` (``max_size``,
+``keep``; multi-token updates concatenate in temporal order, single tokens overwrite a ring)
+on codes, so sliding-window layers see exactly the attention pattern they would see
+uncompressed. No class here has an attribute named ``bits``: mlx-lm would route such a cache
+to its affine quantized attention.
+"""
+from __future__ import annotations
+
+import contextvars
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+
+from .codecs.base import Code, Codec
+
+__all__ = ["CodeBuffer", "CodesView", "TurboQuantKVCache", "TurboQuantRotatingKVCache", "codes_mode"]
+
+# Set by turboquant.attention.codes_attention: caches then return CodesView, not K/V.
+codes_mode: contextvars.ContextVar[bool] = contextvars.ContextVar("turboquant_codes_mode", default=False)
+
+
+class CodeBuffer:
+    """Code fields stacked along the token axis: name → (B, H, T, w) arrays."""
+
+    def __init__(self, fields: dict):
+        self.fields = dict(fields)
+
+    @property
+    def length(self) -> int:
+        return next(iter(self.fields.values())).shape[2]
+
+    def slice(self, a: int, b: Optional[int] = None) -> "CodeBuffer":
+        return CodeBuffer({n: f[..., a:b, :] for n, f in self.fields.items()})
+
+    @staticmethod
+    def concat(parts) -> "CodeBuffer":
+        parts = [p for p in parts if p is not None and p.length > 0]
+        return CodeBuffer({n: mx.concatenate([p.fields[n] for p in parts], axis=2) for n in parts[0].fields})
+
+    def zeros(self, n: int) -> "CodeBuffer":
+        return CodeBuffer({k: mx.zeros((*f.shape[:2], n, f.shape[3]), f.dtype) for k, f in self.fields.items()})
+
+    def assign(self, start: int, other: "CodeBuffer") -> None:
+        for n, f in self.fields.items():
+            f[..., start:start + other.length, :] = other.fields[n]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.fields.values())
+
+
+class CodesView:
+    """What ``update_and_fetch`` returns in codes mode: the codes attention should read."""
+
+    def __init__(self, codec: Codec, buffer: CodeBuffer, dtype, recent: Optional[mx.array] = None):
+        self.codec, self.buffer, self.dtype, self.recent = codec, buffer, dtype, recent
+        B, H = next(iter(buffer.fields.values())).shape[:2]
+        self.shape = (B, H, buffer.length, codec.dim)
+
+    def code(self) -> Code:
+        return Code(self.buffer.fields, self.shape[:3], self.dtype, self.codec.config())
+
+    def dequantize(self) -> mx.array:
+        x = self.codec.decode(self.code())
+        if self.recent is not None and self.recent.shape[2]:
+            r = self.recent.shape[2]
+            x = mx.concatenate([x[..., : x.shape[2] - r, :], self.recent.astype(x.dtype)], axis=2)
+        return x
+
+
+def _prepare(codec: Codec, x: mx.array) -> Codec:
+    if hasattr(codec, "fit") and not getattr(codec, "fitted", True):
+        codec.fit(x)
+    return codec
+
+
+class TurboQuantKVCache:
+    """A KV cache of codes: ``TurboQuantKVCache(key_codec, value_codec=None, fp_window=0)``.
+
+    Keys and values have shape (B, H_kv, T, D); ``value_codec`` defaults to ``key_codec``.
+    ``fp_window`` = R keeps the most recent R tokens in full precision as well (their codes
+    are stored too, so trimming and eviction stay exact).
+    """
+
+    step = 256
+
+    def __init__(self, key_codec: Codec, value_codec: Optional[Codec] = None, fp_window: int = 0):
+        if not isinstance(key_codec, Codec) or not isinstance(value_codec or key_codec, Codec):
+            raise TypeError("key_codec and value_codec must be turboquant codecs")
+        if isinstance(fp_window, bool) or not isinstance(fp_window, int) or fp_window < 0:
+            raise ValueError(f"fp_window must be a non-negative int, got {fp_window!r}")
+        self.key_codec, self.value_codec = key_codec, value_codec or key_codec
+        self.fp_window = fp_window
+        self.keys: Optional[CodeBuffer] = None
+        self.values: Optional[CodeBuffer] = None
+        self.recent_keys = self.recent_values = None
+        self.offset = 0
+        self.dtype = mx.float32
+
+    # ---------------------------------------------------------------- protocol
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._check(keys, values)
+        kc, vc = self._encode(keys, values)
+        prev, T = self.offset, keys.shape[2]
+        if self.keys is None or prev + T > self.keys.length:
+            n = -(-T // self.step) * self.step
+            if self.keys is None:
+                self.keys, self.values = kc.zeros(n), vc.zeros(n)
+            else:
+                self.keys = CodeBuffer.concat([self.keys.slice(0, prev), kc.zeros(n)])
+                self.values = CodeBuffer.concat([self.values.slice(0, prev), vc.zeros(n)])
+        self.keys.assign(prev, kc)
+        self.values.assign(prev, vc)
+        self.offset += T
+        self._update_recent(keys, values)
+        return self._fetch(self.keys.slice(0, self.offset), self.values.slice(0, self.offset))
+
+    def _check(self, keys, values):
+        for name, a, codec in (("keys", keys, self.key_codec), ("values", values, self.value_codec)):
+            if not isinstance(a, mx.array) or a.ndim != 4 or a.shape[-1] != codec.dim:
+                raise ValueError(f"{name} must be an mx.array of shape (B, H, T, {codec.dim}), "
+                                 f"got {getattr(a, 'shape', type(a).__name__)}")
+        if keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"keys {keys.shape} and values {values.shape} disagree in (B, H, T)")
+        self.dtype = keys.dtype
+
+    def _encode(self, keys, values):
+        kc = _prepare(self.key_codec, keys).encode(keys)
+        vc = _prepare(self.value_codec, values).encode(values)
+        return CodeBuffer(kc.arrays), CodeBuffer(vc.arrays)
+
+    def _update_recent(self, keys, values):
+        if not self.fp_window:
+            return
+        r = self.fp_window
+        cat = lambda old, new: new if old is None else mx.concatenate([old, new], axis=2)
+        self.recent_keys = cat(self.recent_keys, keys)[..., -r:, :]
+        self.recent_values = cat(self.recent_values, values)[..., -r:, :]
+
+    def _fetch(self, kbuf: CodeBuffer, vbuf: CodeBuffer):
+        k = CodesView(self.key_codec, kbuf, self.dtype, self.recent_keys)
+        v = CodesView(self.value_codec, vbuf, self.dtype, self.recent_values)
+        if codes_mode.get():
+            return k, v
+        return k.dequantize(), v.dequantize()
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        if self.fp_window and self.recent_keys is not None:
+            keep = max(0, self.recent_keys.shape[2] - n)
+            self.recent_keys = self.recent_keys[..., :keep, :]
+            self.recent_values = self.recent_values[..., :keep, :]
+        return n
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if window_size is not None or return_array:
+            return create_causal_mask(N, self.offset, window_size=window_size)
+        return None if N == 1 else "causal"
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        fp = sum(a.nbytes for a in (self.recent_keys, self.recent_values) if a is not None)
+        return self.keys.nbytes + self.values.nbytes + fp
+
+    def code_nbytes(self, n_tokens: Optional[int] = None) -> int:
+        """The bit accounting: codec bytes per vector × vectors held (B·H·T) for K and V."""
+        if self.keys is None:
+            return 0
+        B, H = next(iter(self.keys.fields.values())).shape[:2]
+        t = self.offset if n_tokens is None else n_tokens
+        return B * H * t * (self.key_codec.nbytes_per_vector + self.value_codec.nbytes_per_vector)
+
+    # ---------------------------------------------------------------- state
+    @property
+    def state(self):
+        if self.keys is None:
+            return {}, {}, {}
+        rec = {"k": self.recent_keys, "v": self.recent_values} if self.fp_window and self.recent_keys is not None else {}
+        return self.keys.slice(0, self.offset).fields, self.values.slice(0, self.offset).fields, rec
+
+    @state.setter
+    def state(self, v):
+        k, val, rec = v
+        self.keys = CodeBuffer(k) if k else None
+        self.values = CodeBuffer(val) if val else None
+        self.recent_keys, self.recent_values = rec.get("k"), rec.get("v")
+
+    @property
+    def meta_state(self) -> dict:
+        return {"class": type(self).__name__, "key_codec": self.key_codec.config(),
+                "value_codec": self.value_codec.config(), "fp_window": self.fp_window,
+                "offset": self.offset, "dtype": str(self.dtype).split(".")[-1]}
+
+    @meta_state.setter
+    def meta_state(self, m):
+        from .codecs.base import from_config
+        self.key_codec, self.value_codec = from_config(m["key_codec"]), from_config(m["value_codec"])
+        self.fp_window, self.offset = int(m["fp_window"]), int(m["offset"])
+        self.dtype = getattr(mx, m["dtype"])
+
+    @classmethod
+    def from_state(cls, state, meta_state):
+        obj = cls.__new__(cls)
+        obj.meta_state = meta_state
+        obj.state = state
+        return obj
+
+
+class TurboQuantRotatingKVCache(TurboQuantKVCache):
+    """A sliding-window cache of codes with mlx-lm ``RotatingKVCache`` semantics:
+    ``TurboQuantRotatingKVCache(max_size, key_codec, value_codec=None, keep=0)``.
+
+    Memory is constant once ``max_size`` tokens are held; a prefill of S tokens
+    temporarily holds up to max_size + S − 1 so that every new token sees a full window.
+    """
+
+    def __init__(self, max_size: int, key_codec: Codec, value_codec: Optional[Codec] = None, keep: int = 0):
+        super().__init__(key_codec, value_codec, fp_window=0)
+        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
+            raise ValueError(f"max_size must be a positive int, got {max_size!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep < max_size:
+            raise ValueError(f"keep must be an int in [0, max_size), got {keep!r}")
+        self.max_size, self.keep, self._idx = max_size, keep, 0
+
+    def _trim(self, trim_size: int, buf: CodeBuffer, append: Optional[CodeBuffer] = None) -> CodeBuffer:
+        parts = [buf.slice(0, self.keep), buf.slice(trim_size + self.keep)] if trim_size > 0 else [buf]
+        return CodeBuffer.concat(parts + ([append] if append is not None else []))
+
+    def _temporal_order(self, buf: CodeBuffer) -> CodeBuffer:
+        if self._idx == buf.length:
+            return buf
+        if self._idx < self.offset:
+            return CodeBuffer.concat([buf.slice(0, self.keep), buf.slice(self._idx),
+                                      buf.slice(self.keep, self._idx)])
+        return buf.slice(0, self._idx)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._check(keys, values)
+        kc, vc = self._encode(keys, values)
+        S = keys.shape[2]
+        if S == 1:
+            self._update_in_place(kc, vc)
+        else:
+            self._update_concat(kc, vc, S)
+        if self.offset < self.keys.length:
+            return self._fetch(self.keys.slice(0, self.offset), self.values.slice(0, self.offset))
+        return self._fetch(self.keys, self.values)
+
+    def _update_concat(self, kc, vc, S):
+        if self.keys is None:
+            self.keys, self.values = kc, vc
+        else:
+            self.keys, self.values = self._temporal_order(self.keys), self._temporal_order(self.values)
+            self._idx = self.keys.length
+            trim_size = self._idx - self.max_size + 1          # every new token sees max_size keys
+            self.keys = self._trim(trim_size, self.keys, kc)
+            self.values = self._trim(trim_size, self.values, vc)
+        self.offset += S
+        self._idx = self.keys.length
+
+    def _update_in_place(self, kc, vc):
+        prev = self.offset
+        if self.keys is None or (prev >= self.keys.length and self.keys.length < self.max_size):
+            n = min(self.step, self.max_size - prev)
+            if self.keys is None:
+                self.keys, self.values = kc.zeros(n), vc.zeros(n)
+            else:
+                self.keys = CodeBuffer.concat([self.keys, kc.zeros(n)])
+                self.values = CodeBuffer.concat([self.values, vc.zeros(n)])
+            self._idx = prev
+        trim_size = self.keys.length - self.max_size
+        if trim_size > 0:
+            self.keys, self.values = self._trim(trim_size, self.keys), self._trim(trim_size, self.values)
+            self._idx = self.max_size
+        if self._idx == self.max_size:
+            self._idx = self.keep
+        self.keys.assign(self._idx, kc)
+        self.values.assign(self._idx, vc)
+        self.offset += 1
+        self._idx += 1
+
+    def size(self) -> int:
+        return min(self.offset, self.max_size)
+
+    def is_trimmable(self) -> bool:
+        return self.offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        self._idx -= n
+        return n
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        # mlx-lm RotatingKVCache.make_mask, unchanged
+        if N > 1:
+            window_size = window_size or self.max_size
+            offset = min(self.max_size - 1, self.offset)
+            if offset + N > window_size or return_array:
+                return create_causal_mask(N, offset, window_size=window_size)
+            return "causal"
+        if window_size is None:
+            return None
+        if self.offset >= window_size and self.max_size > window_size:
+            idx = self._idx if self._idx < self.max_size else 0
+            mask_size = self.offset + 1 if self.offset < self.max_size else self.max_size
+            mask = mx.arange(mask_size) >= (mask_size - window_size)
+            return mx.roll(mask, shift=idx + 1)
+        return None
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return {}, {}, {}
+        return self.keys.fields, self.values.fields, {}
+
+    @state.setter
+    def state(self, v):
+        k, val, _ = v
+        self.keys = CodeBuffer(k) if k else None
+        self.values = CodeBuffer(val) if val else None
+        self.recent_keys = self.recent_values = None
+
+    @property
+    def meta_state(self) -> dict:
+        m = super().meta_state
+        m.update(max_size=self.max_size, keep=self.keep, idx=self._idx)
+        return m
+
+    @meta_state.setter
+    def meta_state(self, m):
+        TurboQuantKVCache.meta_state.fset(self, m)
+        self.max_size, self.keep, self._idx = int(m["max_size"]), int(m["keep"]), int(m["idx"])
