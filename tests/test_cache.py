@@ -11,28 +11,11 @@ from turboquant.attention import codes_attention
 from turboquant.cache import TurboQuantKVCache, TurboQuantRotatingKVCache
 from turboquant.codecs import (AffineCodec, FibQuant, Identity, OutlierSplit, PolarQuant, TurboQuantMSE,
                                TurboQuantProd)
-from turboquant.models import tiny_model
+from turboquant.models import ByteTokenizer, tiny_model
 from turboquant.prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache, to_turboquant
 
 
-class ToyTokenizer:
-    """Byte-level stand-in for a Hugging Face tokenizer; enough for mlx_lm.generate."""
-    eos_token_id = 0
-    bos_token = None
-    chat_template = None
-    vocab_size = 256
-
-    def get_vocab(self):
-        return {chr(i): i for i in range(256)}
-
-    def apply_chat_template(self, messages, **kw):  # not used: the tests give raw prompts
-        raise NotImplementedError
-
-    def encode(self, text, **kw):
-        return [b for b in text.encode()]
-
-    def decode(self, ids, **kw):
-        return bytes(i % 256 for i in ids).decode("latin-1")
+ToyTokenizer = ByteTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -261,3 +244,12 @@ def test_attention_from_codes_equals_dequantize_then_sdpa(kc, vc, fp_window):
     tc.codes_mode.reset(token)
     for mask in (causal, "causal"):
         assert mx.abs(attention_from_codes(q, kv, vv, mask=mask) - ref).max().item() < 1e-4
+
+
+def test_top1_agreement_is_one_for_pass_through_and_lower_for_one_bit(llama):
+    from turboquant.eval import top1_agreement
+    prompt, cont = tokens(40, seed=8), tokens(30, seed=9)
+    same = top1_agreement(llama, prompt, cont, lambda: make_prompt_cache(llama, key_codec=lambda d: Identity(d)))
+    assert same == 1.0
+    low = top1_agreement(llama, prompt, cont, lambda: make_prompt_cache(llama, key_codec=lambda d: TurboQuantMSE(d, 1)))
+    assert low < 1.0

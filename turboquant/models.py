@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["tiny_model"]
+__all__ = ["tiny_model", "ByteTokenizer"]
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, num_layers: int = 4, hidden_size: int = 64,
@@ -39,3 +39,25 @@ def tiny_model(kind: str = "llama", seed: int = 0, num_layers: int = 4, hidden_s
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
+
+
+class ByteTokenizer:
+    """A byte-level stand-in for a Hugging Face tokenizer (ids 1…255 are bytes, 0 is EOS),
+    enough for ``mlx_lm.generate`` with the random ``tiny_model``s. Not a real tokenizer."""
+
+    eos_token_id = 0
+    bos_token = None
+    chat_template = None
+    vocab_size = 256
+
+    def get_vocab(self):
+        return {chr(i): i for i in range(256)}
+
+    def encode(self, text, **kw):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, **kw):
+        return bytes(i % 256 for i in ids).decode("latin-1")
+
+    def apply_chat_template(self, messages, **kw):
+        raise NotImplementedError("ByteTokenizer has no chat template: pass raw prompts")
