@@ -1,0 +1,126 @@
+"""Bit-Axon's SWA layer: exactness under any split, the quantized ring, the plan's API and memory."""
+import mlx.core as mx
+import pytest
+
+from turboquant import memory
+from turboquant.attention import cosine_similarity
+from turboquant.bitaxon import (BIT_AXON, SMALL, KVCache, QuantizedSWACache, SWAConfig, SWAttention, TurboQuant,
+                                full_sequence_attention)
+from turboquant.codecs import AffineCodec, FibQuant, Identity, PolarQuant, TurboQuantMSE, TurboQuantProd
+
+
+@pytest.fixture(scope="module")
+def layer():
+    mx.random.seed(0)
+    layer = SWAttention(SMALL)
+    mx.eval(layer.parameters())
+    return layer
+
+
+def run(layer, cache, x, splits):
+    out, i = [], 0
+    for n in splits:
+        out.append(layer(x[:, i:i + n], cache=cache))
+        i += n
+    return mx.concatenate(out, axis=1)
+
+
+SPLITS = [[300], [100, 100, 100], [70] + [1] * 30 + [200], [200] + [1] * 100, [5] * 60, [64, 64, 64, 108]]
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=lambda s: f"{len(s)}parts")
+def test_any_split_equals_full_sequence_attention(layer, splits):
+    x = mx.random.normal((2, 300, 256), key=mx.random.key(1))
+    ref = full_sequence_attention(layer, x)
+    for cache in (KVCache(SMALL.window), QuantizedSWACache(SMALL.window, Identity(64))):
+        out = run(layer, cache, x, splits)
+        assert not mx.any(mx.isnan(out)).item()
+        assert mx.abs(out - ref).max().item() < 1e-5
+
+
+def test_upstream_defect_is_real(layer):
+    # trimming before attention (the upstream order) gives NaN rows for prefill > W
+    x = mx.random.normal((1, 100, 256), key=mx.random.key(2))
+    q, k, v = layer.project(x)
+    k_trim = k[:, :, -SMALL.window:]
+    pos = mx.arange(100)
+    kpos = pos[-SMALL.window:]
+    mask = (pos[:, None] - kpos[None]) >= 0
+    scores = mx.where(mask, q @ mx.swapaxes(k_trim, -1, -2), -mx.inf)
+    assert mx.any(mx.isnan(mx.softmax(scores, axis=-1))).item()
+
+
+@pytest.mark.parametrize("make", [lambda d: TurboQuantMSE(d, 4), lambda d: TurboQuantMSE(d, 2),
+                                  lambda d: FibQuant(d, 2, 32), lambda d: PolarQuant(d, rotation="haar"),
+                                  lambda d: TurboQuantProd(d, 3)])
+def test_head_size_80_works_with_every_codec(make):
+    cfg = SWAConfig(hidden=160, n_heads=2, head_dim=80, window=32, chunk=8)
+    mx.random.seed(1)
+    layer = SWAttention(cfg)
+    x = mx.random.normal((1, 90, 160), key=mx.random.key(3))
+    ref = full_sequence_attention(layer, x)
+    out = run(layer, QuantizedSWACache(32, make(80)), x, [50] + [1] * 40)
+    assert mx.mean(cosine_similarity(out, ref)).item() > 0.8
+
+
+def test_compress_decompress_keeps_shape_dtype_window_offset(layer):
+    x = mx.random.normal((1, 150, 256), key=mx.random.key(4))
+    kv = KVCache(SMALL.window)
+    run(layer, kv, x, [150])
+    for tq in (TurboQuant(bits=4), TurboQuant(bits=2.5), TurboQuant(codec=lambda d: PolarQuant(d))):
+        q = tq.compress(kv)
+        d = tq.decompress(q)
+        assert d.k.shape == kv.k.shape and d.k.dtype == kv.k.dtype
+        assert d.window_size == kv.window_size and d.offset == kv.offset == 150
+        assert mx.mean(cosine_similarity(d.k, kv.k)).item() > 0.95
+    # continuing from a compressed cache matches continuing from the original
+    nxt = mx.random.normal((1, 1, 256), key=mx.random.key(5))
+    a = layer(nxt, cache=kv)
+    b = layer(nxt, cache=TurboQuant(codec=lambda d: Identity(d)).compress(KVCache_like(layer, x)))
+    assert mx.abs(a - b).max().item() < 1e-5
+    with pytest.raises(ValueError):
+        TurboQuant(bits=4).compress(KVCache(8))
+    with pytest.raises(TypeError):
+        TurboQuant(bits=4).decompress(kv)
+    with pytest.raises(ValueError, match="whole number"):
+        TurboQuant(bits=2.3).codec(80)
+
+
+def KVCache_like(layer, x):
+    kv = KVCache(SMALL.window)
+    run(layer, kv, x, [150])
+    return kv
+
+
+def test_real_geometry_memory():
+    # one layer's ring at W = 4096, 32 heads of 80, measured; eight layers by the formula and by 8 x measured
+    g = memory.PRESETS["bit-axon"]
+    fp16 = memory.kv_cache_bytes(g, 65536)
+    assert round(fp16 / 1e6, 1) == 335.5
+    rows = {}
+    for name, codec in (("4", TurboQuantMSE(80, 4)), ("3", TurboQuantMSE(80, 3)), ("2", TurboQuantMSE(80, 2)),
+                        ("2.5", FibQuant(80, 2, 32))):
+        c = QuantizedSWACache(BIT_AXON.window, codec)
+        c.update_and_fetch(mx.zeros((1, 32, 1, 80)), mx.zeros((1, 32, 1, 80)))
+        rows[name] = 8 * c.nbytes
+        formula = memory.kv_cache_bytes(g, 65536, bits=codec.bits_per_coordinate)
+        assert abs(rows[name] / formula - 1) < 0.01
+    assert rows["4"] <= 88.1e6 and rows["2"] < rows["2.5"] < rows["3"] < rows["4"]
+
+
+@pytest.mark.slow
+def test_65536_steps_constant_memory_and_within_codec_error(layer):
+    ref, q = KVCache(SMALL.window), QuantizedSWACache(SMALL.window, TurboQuantMSE(64, 4))
+    sizes, cos = set(), []
+    for i in range(65536):
+        if i % 1024 == 0:
+            xs = mx.random.normal((1, 1024, 256), key=mx.random.key(7 + i))
+        x = xs[:, i % 1024: i % 1024 + 1]
+        cos.append(cosine_similarity(layer(x, cache=ref), layer(x, cache=q)).reshape(-1))
+        if i % 256 == 255:
+            mx.eval(cos, ref.k, q.keys.fields)
+        if i + 1 in (SMALL.window, 4096, 65536):
+            sizes.add(q.nbytes)
+    c = mx.concatenate(cos)
+    assert len(sizes) == 1 and q.offset == 65536
+    assert mx.mean(c).item() > 0.99 and mx.min(c).item() > 0.95

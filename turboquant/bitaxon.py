@@ -1,0 +1,285 @@
+"""Bit-Axon's sliding-window attention, in miniature, with a TurboQuant cache (Chapter 8).
+
+Bit-Axon (an Apache-2.0 MLX model) has 8 sliding-window attention (SWA) layers: hidden
+2560, 32 heads of D = 80, no grouped-query attention, no positional encoding on keys;
+query i sees keys j with i − W < j ≤ i, W = 4096; attention runs in query chunks of 512
+with plain matmul and softmax. Its cache, ``KVCache(window_size)``, keeps arrays ``.k`` and
+``.v`` of shape (B, H, T, 80).
+
+Upstream, ``update_and_fetch`` trims to the window *before* attention, so in a prefill
+longer than W the early queries see no keys (NaN rows), and chunked prefill past the
+window loses keys that early queries of a chunk still need. Here ``update_and_fetch``
+returns the previous window *and* the new keys, the layer masks by absolute position, and
+only then is the cache trimmed: any split of a sequence into prefill, chunks and single
+steps gives full-sequence masked attention.
+
+``QuantizedSWACache`` holds the window as codes in a ring of W slots (memory constant in
+context length) and the layer attends from codes (``attention_from_codes``).
+``TurboQuant(bits=…)`` is the plan's API: ``compress(kv_cache)`` / ``decompress(...)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .attention import attention_from_codes
+from .cache import CodeBuffer, CodesView
+from .codecs.base import Codec
+from .codecs.fibquant import FibQuant
+from .codecs.scalar import TurboQuantMSE
+
+__all__ = ["SWAConfig", "BIT_AXON", "SMALL", "KVCache", "SWAttention", "QuantizedSWACache", "TurboQuant",
+           "full_sequence_attention", "upstream_trimmed_prefill"]
+
+
+@dataclass(frozen=True)
+class SWAConfig:
+    hidden: int = 2560
+    n_heads: int = 32
+    head_dim: int = 80
+    window: int = 4096
+    chunk: int = 512
+    n_layers: int = 8
+
+    def __post_init__(self):
+        if self.n_heads * self.head_dim != self.hidden:
+            raise ValueError(f"n_heads × head_dim must equal hidden: {self.n_heads}×{self.head_dim} != {self.hidden}")
+        for f in ("window", "chunk", "n_layers"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
+
+
+BIT_AXON = SWAConfig()
+SMALL = SWAConfig(hidden=256, n_heads=4, head_dim=64, window=64, chunk=16, n_layers=1)
+
+
+class KVCache:
+    """Bit-Axon's cache API (``.k``, ``.v`` (B, H, T, D), ``window_size``), made exact:
+    ``update_and_fetch`` returns previous + new keys for attention, then keeps the last W."""
+
+    def __init__(self, window_size: int):
+        if not isinstance(window_size, int) or window_size < 1:
+            raise ValueError(f"window_size must be a positive int, got {window_size!r}")
+        self.window_size = window_size
+        self.k = self.v = None
+        self.offset = 0
+
+    def update_and_fetch(self, xk: mx.array, xv: mx.array):
+        k = xk if self.k is None else mx.concatenate([self.k, xk], axis=2)
+        v = xv if self.v is None else mx.concatenate([self.v, xv], axis=2)
+        self.k, self.v = k[..., -self.window_size:, :], v[..., -self.window_size:, :]
+        self.offset += xk.shape[2]
+        return k, v
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+
+class QuantizedSWACache:
+    """The window as codes in a ring of W slots: ``QuantizedSWACache(window_size, codec)``
+    (one codec for K and V, or ``value_codec``). Token at absolute position p lives in slot
+    p mod W; memory is W slots of codes whatever the context."""
+
+    def __init__(self, window_size: int, codec: Codec, value_codec: Optional[Codec] = None):
+        if not isinstance(window_size, int) or window_size < 1:
+            raise ValueError(f"window_size must be a positive int, got {window_size!r}")
+        if not isinstance(codec, Codec):
+            raise TypeError(f"codec must be a turboquant codec, got {type(codec).__name__}")
+        self.window_size, self.key_codec, self.value_codec = window_size, codec, value_codec or codec
+        self.keys: Optional[CodeBuffer] = None
+        self.values: Optional[CodeBuffer] = None
+        self.offset = 0
+        self.dtype = mx.float32
+
+    @property
+    def k(self):  # Bit-Axon's layer reads cache.k.shape[2]: the number of held tokens
+        return None if self.keys is None else _Shape((*self._bh(), self.held, self.key_codec.dim))
+
+    def _bh(self):
+        return next(iter(self.keys.fields.values())).shape[:2]
+
+    @property
+    def held(self) -> int:
+        return min(self.offset, self.window_size)
+
+    def _ordered(self, buf: CodeBuffer) -> CodeBuffer:
+        """The held tokens in temporal order (oldest first)."""
+        if self.offset <= self.window_size:
+            return buf.slice(0, self.offset)
+        s = self.offset % self.window_size
+        return CodeBuffer.concat([buf.slice(s), buf.slice(0, s)])
+
+    def update_and_fetch(self, xk: mx.array, xv: mx.array):
+        """Encode the new tokens; return ``CodesView``s of held + new tokens (temporal order),
+        then write the new tokens into the ring."""
+        for name, a, c in (("xk", xk, self.key_codec), ("xv", xv, self.value_codec)):
+            if not isinstance(a, mx.array) or a.ndim != 4 or a.shape[-1] != c.dim:
+                raise ValueError(f"{name} must have shape (B, H, T, {c.dim}), got {getattr(a, 'shape', None)}")
+        self.dtype = xk.dtype
+        kc, vc = CodeBuffer(self.key_codec.encode(xk).arrays), CodeBuffer(self.value_codec.encode(xv).arrays)
+        T = xk.shape[2]
+        prev_k = self._ordered(self.keys) if self.keys is not None and self.offset else None
+        prev_v = self._ordered(self.values) if self.values is not None and self.offset else None
+        all_k = kc if prev_k is None else CodeBuffer.concat([prev_k, kc])
+        all_v = vc if prev_v is None else CodeBuffer.concat([prev_v, vc])
+        if self.keys is None:
+            self.keys, self.values = kc.zeros(self.window_size), vc.zeros(self.window_size)
+        self._write(kc, vc, T)
+        self.offset += T
+        return (CodesView(self.key_codec, all_k, self.dtype), CodesView(self.value_codec, all_v, self.dtype))
+
+    def _write(self, kc: CodeBuffer, vc: CodeBuffer, T: int) -> None:
+        """Write new tokens at slots (offset + j) mod W; only the last W of them survive."""
+        W = self.window_size
+        start = max(0, T - W)
+        j = start
+        while j < T:
+            pos = (self.offset + j) % W
+            n = min(T - j, W - pos)
+            self.keys.assign(pos, kc.slice(j, j + n))
+            self.values.assign(pos, vc.slice(j, j + n))
+            j += n
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class _Shape:
+    def __init__(self, shape):
+        self.shape = shape
+
+
+def _positions_mask(q_pos: mx.array, k_pos: mx.array, window: int) -> mx.array:
+    """Query at p sees key at j when p − W < j ≤ p: (Tq, Tk) bool."""
+    d = q_pos[:, None] - k_pos[None, :]
+    return (d >= 0) & (d < window)
+
+
+class SWAttention(nn.Module):
+    """Bit-Axon's SWA layer: projections, no RoPE, window rule, query chunks (float32)."""
+
+    def __init__(self, config: SWAConfig = SMALL):
+        super().__init__()
+        self.config = config
+        h = config.hidden
+        self.q_proj, self.k_proj = nn.Linear(h, h, bias=False), nn.Linear(h, h, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(h, h, bias=False), nn.Linear(h, h, bias=False)
+
+    def project(self, x: mx.array):
+        """x (B, T, hidden) → q, k, v each (B, H, T, D)."""
+        B, T, _ = x.shape
+        c = self.config
+        split = lambda t: t.reshape(B, T, c.n_heads, c.head_dim).transpose(0, 2, 1, 3)
+        return split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        B, T, _ = x.shape
+        c = self.config
+        q, k, v = self.project(x)
+        n_prev = 0 if cache is None or cache.k is None else cache.k.shape[2]
+        start = 0 if cache is None else cache.offset
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        k_pos = mx.arange(start - n_prev, start + T)
+        scale = 1 / math.sqrt(c.head_dim)
+        outs = []
+        for s in range(0, T, c.chunk):                                   # query chunks
+            e = min(T, s + c.chunk)
+            q_pos = mx.arange(start + s, start + e)
+            lo = max(0, (start + s - c.window + 1) - (start - n_prev))  # first key any query here sees
+            hi = (start + e) - (start - n_prev)
+            mask = _positions_mask(q_pos, k_pos[lo:hi], c.window)
+            if isinstance(k, CodesView):
+                kv = CodesView(k.codec, k.buffer.slice(lo, hi), k.dtype)
+                vv = CodesView(v.codec, v.buffer.slice(lo, hi), v.dtype)
+                outs.append(attention_from_codes(q[:, :, s:e], kv, vv, scale=scale, mask=mask))
+            else:
+                scores = (q[:, :, s:e] * scale) @ mx.swapaxes(k[:, :, lo:hi], -1, -2)
+                scores = mx.where(mask, scores, -mx.inf)
+                outs.append(mx.softmax(scores, axis=-1, precise=True) @ v[:, :, lo:hi])
+        out = mx.concatenate(outs, axis=2).transpose(0, 2, 1, 3).reshape(B, T, c.hidden)
+        return self.o_proj(out)
+
+
+def full_sequence_attention(layer: SWAttention, x: mx.array) -> mx.array:
+    """The reference: one masked attention over the whole sequence, no cache, no chunks."""
+    B, T, _ = x.shape
+    c = layer.config
+    q, k, v = layer.project(x)
+    pos = mx.arange(T)
+    scores = (q / math.sqrt(c.head_dim)) @ mx.swapaxes(k, -1, -2)
+    scores = mx.where(_positions_mask(pos, pos, c.window), scores, -mx.inf)
+    out = mx.softmax(scores, axis=-1, precise=True) @ v
+    return layer.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, c.hidden))
+
+
+CodecSpec = Union[Codec, Callable[[int], Codec], None]
+
+
+class TurboQuant:
+    """The plan's API: ``TurboQuant(bits=4)`` then ``compress(kv_cache)`` → a
+    ``QuantizedSWACache`` and ``decompress(qcache)`` → a ``KVCache``.
+
+    Integer ``bits`` use TurboQuant_mse; fractional bits use FibQuant with k = 2
+    (N = 2^(2b) codewords, so b must be a multiple of ½); or pass ``codec`` (an instance
+    or a callable head_dim → codec). Head size 80 works with every codec."""
+
+    def __init__(self, bits: float = 4, codec: CodecSpec = None, seed: int = 0):
+        if codec is None and not (isinstance(bits, (int, float)) and not isinstance(bits, bool) and bits > 0):
+            raise ValueError(f"bits must be a positive number, got {bits!r}")
+        self.bits, self.codec_spec, self.seed = bits, codec, seed
+
+    def codec(self, head_dim: int) -> Codec:
+        spec = self.codec_spec
+        if isinstance(spec, Codec):
+            if spec.dim != head_dim:
+                raise ValueError(f"codec has dim {spec.dim}, the cache has head size {head_dim}")
+            return spec
+        if callable(spec):
+            return spec(head_dim)
+        if float(self.bits).is_integer():
+            return TurboQuantMSE(head_dim, int(self.bits), seed=self.seed)
+        return FibQuant(head_dim, k=2, bits=float(self.bits), seed=self.seed)
+
+    def compress(self, kv_cache: KVCache) -> QuantizedSWACache:
+        if not isinstance(kv_cache, KVCache):
+            raise TypeError(f"compress takes a bitaxon.KVCache, got {type(kv_cache).__name__}")
+        if kv_cache.k is None:
+            raise ValueError("cannot compress an empty cache")
+        q = QuantizedSWACache(kv_cache.window_size, self.codec(kv_cache.k.shape[-1]))
+        held = kv_cache.k.shape[2]
+        q.offset = kv_cache.offset - held                   # re-insert at their absolute positions
+        q.update_and_fetch(kv_cache.k, kv_cache.v)
+        return q
+
+    def decompress(self, qcache: QuantizedSWACache) -> KVCache:
+        if not isinstance(qcache, QuantizedSWACache):
+            raise TypeError(f"decompress takes a QuantizedSWACache, got {type(qcache).__name__}")
+        out = KVCache(qcache.window_size)
+        out.offset = qcache.offset
+        if qcache.keys is not None and qcache.offset:
+            kv = CodesView(qcache.key_codec, qcache._ordered(qcache.keys), qcache.dtype)
+            vv = CodesView(qcache.value_codec, qcache._ordered(qcache.values), qcache.dtype)
+            out.k, out.v = kv.dequantize(), vv.dequantize()
+        return out
+
+
+def upstream_trimmed_prefill(layer: SWAttention, x: mx.array) -> mx.array:
+    """Reproduces the upstream defect, for the book: the cache keeps only the last W keys
+    *before* attention, so in a prefill of T > W tokens the first T − W queries see no key
+    at all and their softmax is over −inf only (NaN rows). Returns (B, T, hidden)."""
+    B, T, _ = x.shape
+    c = layer.config
+    q, k, v = layer.project(x)
+    k, v = k[:, :, -c.window:], v[:, :, -c.window:]                     # trimmed first
+    k_pos = mx.arange(T)[-c.window:]
+    scores = (q / math.sqrt(c.head_dim)) @ mx.swapaxes(k, -1, -2)
+    scores = mx.where(_positions_mask(mx.arange(T), k_pos, c.window), scores, -mx.inf)
+    out = mx.softmax(scores, axis=-1) @ v
+    return layer.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, c.hidden))
