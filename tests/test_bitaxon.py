@@ -6,7 +6,7 @@ from turboquant import memory
 from turboquant.attention import cosine_similarity
 from turboquant.bitaxon import (BIT_AXON, SMALL, KVCache, QuantizedSWACache, SWAConfig, SWAttention, TurboQuant,
                                 full_sequence_attention)
-from turboquant.codecs import AffineCodec, FibQuant, Identity, PolarQuant, TurboQuantMSE, TurboQuantProd
+from turboquant.codecs import FibQuant, Identity, PolarQuant, TurboQuantMSE, TurboQuantProd
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,10 @@
 """TurboQuant caches in mlx-lm: exactness, generation, memory, attention from codes, save/load."""
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.generate import generate, stream_generate
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 
-import turboquant as tq
 from turboquant.attention import codes_attention
 from turboquant.cache import TurboQuantKVCache, TurboQuantRotatingKVCache
 from turboquant.codecs import (AffineCodec, FibQuant, Identity, OutlierSplit, PolarQuant, TurboQuantMSE,

@@ -4,11 +4,10 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from scipy import stats
 
 from turboquant import FibQuant, TurboQuantMSE, from_config
 from turboquant.codecs import fibquant as fq
-from turboquant.sphere import sample_block, sample_sphere
+from turboquant.sphere import sample_sphere
 
 D = 64
 

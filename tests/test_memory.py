@@ -2,7 +2,7 @@
 import math
 
 import pytest
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from turboquant import memory
 from turboquant.memory import PRESETS, Layer, cached_tokens, kv_cache_bytes

@@ -1,9 +1,8 @@
-import math
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from scipy import integrate, stats
+from scipy import integrate
 
 from turboquant import PolarQuant, TurboQuantMSE, from_config
 from turboquant.codecs.polar import angle_codebook, angle_pdf, polar_inverse, polar_transform

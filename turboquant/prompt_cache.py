@@ -9,7 +9,7 @@ from typing import Callable, Optional, Union
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from .cache import CodeBuffer, TurboQuantKVCache, TurboQuantRotatingKVCache
+from .cache import TurboQuantKVCache, TurboQuantRotatingKVCache
 from .codecs.base import Codec, from_config
 from .codecs.scalar import TurboQuantMSE
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import stats
 
-from ..codecs.fibquant import companded_radii, fibquant_codebook, spiral_codebook
+from ..codecs.fibquant import fibquant_codebook, spiral_codebook
 from ..sphere import sample_block
 from .style import COLORS, figure
 
