@@ -6,6 +6,7 @@ from turboquant import memory
 from turboquant.attention import cosine_similarity
 from turboquant.bitaxon import (BIT_AXON, SMALL, KVCache, QuantizedSWACache, SWAConfig, SWAttention, TurboQuant,
                                 full_sequence_attention)
+from turboquant.models import run_in_chunks
 from turboquant.codecs import FibQuant, Identity, PolarQuant, TurboQuantMSE, TurboQuantProd
 
 
@@ -18,11 +19,7 @@ def layer():
 
 
 def run(layer, cache, x, splits):
-    out, i = [], 0
-    for n in splits:
-        out.append(layer(x[:, i:i + n], cache=cache))
-        i += n
-    return mx.concatenate(out, axis=1)
+    return run_in_chunks(layer, x, cache, splits)
 
 
 SPLITS = [[300], [100, 100, 100], [70] + [1] * 30 + [200], [200] + [1] * 100, [5] * 60, [64, 64, 64, 108]]

@@ -9,7 +9,7 @@ from turboquant.attention import codes_attention
 from turboquant.cache import TurboQuantKVCache, TurboQuantRotatingKVCache
 from turboquant.codecs import (AffineCodec, FibQuant, Identity, OutlierSplit, PolarQuant, TurboQuantMSE,
                                TurboQuantProd)
-from turboquant.models import ByteTokenizer, tiny_model
+from turboquant.models import ByteTokenizer, run_in_chunks, tiny_model
 from turboquant.prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache, to_turboquant
 
 
@@ -26,11 +26,7 @@ def tokens(n, seed=0):
 
 
 def run(model, cache, toks, chunks):
-    out, i = [], 0
-    for c in chunks:
-        out.append(model(toks[:, i:i + c], cache=cache))
-        i += c
-    return mx.concatenate(out, axis=1)
+    return run_in_chunks(model, toks, cache, chunks)
 
 
 SPLITS = {"long prefill": [300], "chunked": [128, 128, 44], "decode": [200] + [1] * 100}

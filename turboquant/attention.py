@@ -94,9 +94,8 @@ def _score_table(q_rot: mx.array, codec, code) -> mx.array:
     table = q_rot.reshape(B, H, R, Tq, D // k, k) @ codec.codewords.T           # (B, H, R, Tq, D/k, N)
     idx = unpack(code["idx"], codec.index_bits, D // k).astype(mx.int32)        # (B, H, T, D/k)
     T = idx.shape[2]
-    flat = table.reshape(B, H, R * Tq, 1, D // k * n)                           # one row per query
     pos = (idx + mx.arange(D // k, dtype=mx.int32) * n).reshape(B, H, 1, T * (D // k))
-    looked = mx.take_along_axis(flat.reshape(B, H, R * Tq, D // k * n),
+    looked = mx.take_along_axis(table.reshape(B, H, R * Tq, D // k * n),       # one row per query
                                 mx.broadcast_to(pos, (B, H, R * Tq, T * (D // k))), axis=-1)
     return looked.reshape(B, H, R, Tq, T, D // k).sum(axis=-1)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["tiny_model", "ByteTokenizer"]
+__all__ = ["tiny_model", "ByteTokenizer", "run_in_chunks"]
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, num_layers: int = 4, hidden_size: int = 64,
@@ -61,3 +61,16 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages, **kw):
         raise NotImplementedError("ByteTokenizer has no chat template: pass raw prompts")
+
+
+def run_in_chunks(fn, x: mx.array, cache, splits) -> mx.array:
+    """Feed ``x`` (B, T, …) to ``fn(x_chunk, cache=cache)`` in consecutive pieces of the
+    sizes in ``splits`` (a long prefill, chunks, single steps) and concatenate the outputs
+    along the token axis: (B, sum(splits), …). ``fn`` is a model or an attention layer."""
+    if sum(splits) > x.shape[1]:
+        raise ValueError(f"splits add up to {sum(splits)} tokens, x has {x.shape[1]}")
+    out, i = [], 0
+    for n in splits:
+        out.append(fn(x[:, i:i + n], cache=cache))
+        i += n
+    return mx.concatenate(out, axis=1)

@@ -79,20 +79,17 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
         keys, values = c.state[0], c.state[1]
         dim = keys.shape[-1]
         kc, vc = _codec(key_codec, dim), _codec(value_codec if value_codec is not None else key_codec, dim)
-        if isinstance(c, mlx_cache.RotatingKVCache):
-            new = TurboQuantRotatingKVCache(c.max_size, kc, vc, keep=c.keep)
-            n = keys.shape[2] if c.offset >= keys.shape[2] else c.offset
-            k, v = keys[..., :n, :], values[..., :n, :]
-            kcode, vcode = new._encode(k, v)
-            new.keys, new.values, new.offset, new._idx = kcode, vcode, c.offset, c._idx
-            new.dtype = keys.dtype
-        else:
-            new = TurboQuantKVCache(kc, vc, fp_window=fp_window)
-            k, v = keys[..., : c.offset, :], values[..., : c.offset, :]
-            new._check(k, v)
-            kcode, vcode = new._encode(k, v)
-            new.keys, new.values, new.offset = kcode, vcode, c.offset
-            new._update_recent(k, v)
+        rotating = isinstance(c, mlx_cache.RotatingKVCache)
+        new = (TurboQuantRotatingKVCache(c.max_size, kc, vc, keep=c.keep) if rotating
+               else TurboQuantKVCache(kc, vc, fp_window=fp_window))
+        n = min(c.offset, keys.shape[2])          # slots held (a ring may hold fewer than offset)
+        k, v = keys[..., :n, :], values[..., :n, :]
+        new._check(k, v)
+        new.keys, new.values = new._encode(k, v)
+        new.offset = c.offset
+        if rotating:
+            new._idx = c._idx                     # same ring layout as the source cache
+        new._update_recent(k, v)
         out.append(new)
     return out
 

@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import sphere
-from ..rotation import Rotation, coordinate_over_rotations
+from ..rotation import Rotation, coordinate_over_rotations, hadamard_sizes_ok
 from ..synthetic import outlier_keys
 from .style import COLORS, figure
 
@@ -50,7 +50,7 @@ def plot_coordinate_law(dim: int = 32, n_rotations: int = 1500, n_tokens: int = 
     bins = _law_axes(axes[0], dim)
     key = np.array(keys[0])
     for kind, color in (("haar", COLORS[0]), ("hadamard", COLORS[2])):
-        if kind == "hadamard" and not _hadamard_ok(dim):
+        if kind == "hadamard" and not hadamard_sizes_ok(dim):
             continue
         y = coordinate_over_rotations(key, kind, n_rotations, seed0=seed)
         axes[0].hist(y, bins=bins, density=True, alpha=0.45, color=color, label=f"{kind}, one key")
@@ -67,11 +67,6 @@ def plot_coordinate_law(dim: int = 32, n_rotations: int = 1500, n_tokens: int = 
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
-
-
-def _hadamard_ok(dim):
-    from ..rotation import hadamard_sizes_ok
-    return hadamard_sizes_ok(dim)
 
 
 def plot_block_law(dim: int = 16, n: int = 3000, seed: int = 0):
