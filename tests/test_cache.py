@@ -7,7 +7,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 
 from turboquant.attention import codes_attention
 from turboquant.cache import TurboQuantKVCache, TurboQuantRotatingKVCache
-from turboquant.codecs import (AffineCodec, FibQuant, Identity, OutlierSplit, PolarQuant, TurboQuantMSE,
+from turboquant.codecs import (AffineCodec, Centered, FibQuant, Identity, OutlierSplit, PolarQuant, TurboQuantMSE,
                                TurboQuantProd)
 from turboquant.models import ByteTokenizer, run_in_chunks, tiny_model
 from turboquant.prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache, to_turboquant
@@ -221,13 +221,15 @@ def test_corrupt_truncated_and_foreign_files_raise(tmp_path, llama):
     (lambda d: FibQuant(d, 2, 16), lambda d: PolarQuant(d), 0),
     (lambda d: TurboQuantMSE(d, 4), lambda d: TurboQuantMSE(d, 4), 32),
     (lambda d: AffineCodec(d, 4, 64), lambda d: TurboQuantProd(d, 3), 16),
+    (lambda d: Centered(TurboQuantMSE(d, 4)), lambda d: Centered(FibQuant(d, 2, 16)), 0),
+    (lambda d: Centered(TurboQuantMSE(d, 3)), lambda d: Centered(PolarQuant(d)), 24),
 ])
 def test_attention_from_codes_equals_dequantize_then_sdpa(kc, vc, fp_window):
     from turboquant.attention import attention_from_codes, reference_attention
     D, T = 64, 300
-    k = mx.random.normal((1, 2, T, D), key=mx.random.key(0))
-    v = mx.random.normal((1, 2, T, D), key=mx.random.key(1))
-    q = mx.random.normal((1, 8, 3, D), key=mx.random.key(2))            # GQA: 8 query heads, 2 kv heads
+    k = mx.random.normal((1, 2, T, D), key=mx.random.key(0)) + 3.0      # a common offset, as real keys
+    v = mx.random.normal((1, 2, T, D), key=mx.random.key(1)) - 1.0
+    q = mx.random.normal((1, 8, 3, D), key=mx.random.key(2)) * 0.3      # GQA: 8 query heads, 2 kv heads
     c = TurboQuantKVCache(kc(D), vc(D), fp_window=fp_window)
     k_hat, v_hat = c.update_and_fetch(k, v)
     causal = mx.arange(T - 3, T)[:, None] >= mx.arange(T)[None]

@@ -121,6 +121,16 @@ def _byte_table_scores(q_rot: mx.array, codec, code) -> mx.array:
     return looked.reshape(B, H, R, Tq, T, P).sum(axis=-1)
 
 
+def _unwrap(view):
+    """(codec that made the stored arrays, its Code): a ``Centered`` codec is unwrapped to its
+    inner codec; the caller adds the mean's exact contribution."""
+    from .codecs.center import Centered
+    codec, code = view.codec, view.code()
+    if isinstance(codec, Centered):
+        return codec.inner, codec.inner_code(code)
+    return codec, code
+
+
 def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, mask=None) -> mx.array:
     """softmax(q kᵀ·scale) v with K and V read from ``CodesView`` objects: (B, H, Tq, D).
 
@@ -130,7 +140,8 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     other scalar codes: gathered centroids), the softmax weights times the
     value norms sum the value codewords in the rotated frame, and one inverse rotation
     ends it. Other codecs are dequantized first. Full-precision recent tokens are used as
-    such. Equal to dequantize-then-attend up to float rounding.
+    such. A ``Centered`` codec's mean enters exactly: q·μ added to the coded scores, and
+    μ times the softmax mass on coded tokens added to the output. Equal to dequantize-then-attend up to float rounding.
     """
     B, H, Tq, D = q.shape
     Hk = keys.shape[1]
@@ -142,9 +153,8 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     T = keys.shape[2]
     r = 0 if keys.recent is None else keys.recent.shape[2]
 
-    kc = keys.codec
+    kc, code = _unwrap(keys)
     if _rotated(kc):
-        code = keys.code()
         qr = kc.rotation.apply(qf)
         if hasattr(kc, "codewords"):
             unit = _score_table(qr, kc, code)
@@ -154,8 +164,10 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
             unit = qr @ mx.swapaxes(kc.decode_rotated(code), -1, -2)[:, :, None]
         scores = unit * mx.swapaxes(code["norm"].astype(mx.float32), -1, -2)[:, :, None]
     else:
-        kfull = keys.dequantize() if not r else keys.codec.decode(keys.code())
-        scores = qf @ mx.swapaxes(kfull.astype(mx.float32), -1, -2)[:, :, None]
+        scores = qf @ mx.swapaxes(kc.decode(code).astype(mx.float32), -1, -2)[:, :, None]
+    if kc is not keys.codec:                                  # Centered: add q·μ back
+        mu = keys.codec.mean                                  # (Hk, D) or (D,)
+        scores = scores + (qf @ mu[:, None, :, None] if mu.ndim == 2 else (qf @ mu)[..., None])
     if r:
         recent = qf @ mx.swapaxes(keys.recent.astype(mx.float32), -1, -2)[:, :, None]
         scores = mx.concatenate([scores[..., : T - r], recent], axis=-1)
@@ -167,10 +179,9 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
         scores = mx.where(m, scores, -mx.inf) if m.dtype == mx.bool_ else scores + m
     p = mx.softmax(scores, axis=-1, precise=True)                              # (B, Hk, R, Tq, T)
 
-    vc = values.codec
+    vc, code = _unwrap(values)
     rv = 0 if values.recent is None else values.recent.shape[2]
     if _rotated(vc):
-        code = values.code()
         w = p * mx.swapaxes(code["norm"].astype(mx.float32), -1, -2)[:, :, None]
         if rv:
             w = w[..., : T - rv]
@@ -178,9 +189,13 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
         units = units[..., : T - rv, :] if rv else units
         out = vc.rotation.invert(w @ units[:, :, None])
     else:
-        vfull = vc.decode(values.code()).astype(mx.float32)
+        vfull = vc.decode(code).astype(mx.float32)
         vfull = vfull[..., : T - rv, :] if rv else vfull
         out = (p[..., : T - rv] if rv else p) @ vfull[:, :, None]
+    if vc is not values.codec:                                # Centered: + (Σ p over codes)·μ
+        mu = values.codec.mean
+        mass = (p[..., : T - rv] if rv else p).sum(axis=-1, keepdims=True)
+        out = out + mass * (mu[:, None, None, :] if mu.ndim == 2 else mu)
     if rv:
         out = out + p[..., T - rv:] @ values.recent.astype(mx.float32)[:, :, None]
     return out.reshape(B, H, Tq, D).astype(q.dtype)

@@ -1,11 +1,226 @@
-"""Evaluation through a cache (Chapter 7; the real-model measurements build on it)."""
+"""Evaluation through a cache: perplexity, attention fidelity per layer, needle retrieval,
+greedy top-1 agreement (Chapters 7 and 9).
+
+Every function takes ``make_cache``: a zero-argument callable returning a fresh prompt
+cache (a list, one entry per layer), or None for mlx-lm's full-precision ``KVCache``. The
+cache is *in* the computation: text is prefilled through it in chunks, so later chunks
+attend to compressed keys and values (``mlx_lm.perplexity`` calls the model without a
+cache and cannot see KV compression).
+"""
 from __future__ import annotations
 
+import math
+import sys
+from contextlib import contextmanager
+from typing import Callable, Optional, Sequence
+
 import mlx.core as mx
+import mlx.nn as nn
 
-__all__ = ["top1_agreement"]
+from .attention import attention_fidelity
+
+__all__ = ["encode_text", "perplexity", "cache_bits", "capture_qkv", "layer_fidelity",
+           "needle_prompt", "needle_accuracy", "top1_agreement", "greedy_agreement", "mean_cosine"]
+
+MakeCache = Optional[Callable[[], list]]
 
 
+def _progress(iterable, total=None, desc=None, enabled=False):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+    return tqdm(iterable, total=total, desc=desc, leave=False, file=sys.stderr)
+
+
+def _fresh(model, make_cache: MakeCache) -> list:
+    if make_cache is None:
+        from mlx_lm.models.cache import make_prompt_cache
+        return make_prompt_cache(model)
+    return make_cache()
+
+
+def encode_text(tokenizer, text: str, n_tokens: Optional[int] = None) -> list[int]:
+    """Token ids of ``text`` (the first ``n_tokens`` if given), without special tokens.
+
+    Only a prefix of the text long enough for ``n_tokens`` is tokenized, and the fast
+    tokenizer's backend is used directly (no "sequence longer than the model" warning:
+    the ids are scored in windows)."""
+    if not isinstance(text, str) or not text:
+        raise ValueError("text must be a non-empty string")
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    backend = getattr(inner, "backend_tokenizer", None)
+    enc = ((lambda s: backend.encode(s, add_special_tokens=False).ids) if backend is not None
+           else (lambda s: list(tokenizer.encode(s))))
+    if n_tokens is None:
+        return enc(text)
+    if not isinstance(n_tokens, int) or n_tokens < 2:
+        raise ValueError(f"n_tokens must be an int ≥ 2, got {n_tokens!r}")
+    chars = 8 * n_tokens
+    while True:
+        ids = enc(text[:chars])
+        if len(ids) > n_tokens or chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < n_tokens:
+        raise ValueError(f"the text has only {len(ids)} tokens, {n_tokens} requested")
+    return ids[:n_tokens]
+
+
+def _prefill_logits(model, tokens: mx.array, cache, chunk: int) -> mx.array:
+    out = []
+    for i in range(0, tokens.shape[1], chunk):
+        logits = model(tokens[:, i:i + chunk], cache=cache).astype(mx.float32)
+        mx.eval(logits)
+        out.append(logits)
+    return mx.concatenate(out, axis=1)
+
+
+def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, window: int = 512,
+               chunk: int = 128, progress: bool = False) -> dict:
+    """Perplexity of ``tokens`` scored in consecutive windows of ``window`` tokens, each
+    prefilled through a fresh cache in chunks of ``chunk`` tokens.
+
+    Returns {"ppl", "nll" (mean, nats), "n_scored", "windows", "bits"}: "bits" is the
+    cache's measured bits per cached coordinate after the first window (``cache_bits``)."""
+    tokens = list(tokens)
+    if window < 2 or chunk < 1:
+        raise ValueError(f"window must be ≥ 2 and chunk ≥ 1, got window={window}, chunk={chunk}")
+    n_win = len(tokens) // window
+    if n_win == 0:
+        raise ValueError(f"{len(tokens)} tokens are fewer than one window of {window}")
+    total, count, bits = 0.0, 0, None
+    for w in _progress(range(n_win), n_win, "perplexity", progress):
+        x = mx.array(tokens[w * window:(w + 1) * window])[None]
+        cache = _fresh(model, make_cache)
+        logits = _prefill_logits(model, x[:, :-1], cache, chunk)
+        nll = nn.losses.cross_entropy(logits, x[:, 1:], reduction="sum")
+        total += nll.item()
+        count += window - 1
+        if bits is None:
+            bits = cache_bits(model, cache)
+    return {"ppl": math.exp(total / count), "nll": total / count, "n_scored": count,
+            "windows": n_win, "bits": bits}
+
+
+def cache_bits(model, cache) -> float:
+    """Measured bits per cached coordinate: total ``nbytes`` of the layer caches × 8 divided
+    by (tokens × layers × 2 × kv heads × head size). Storage allocated in steps counts."""
+    a = model.args
+    D = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+    H = getattr(a, "num_key_value_heads", None) or a.num_attention_heads
+    coords = sum(c.offset for c in cache) * 2 * H * D
+    return 8 * sum(c.nbytes for c in cache) / coords if coords else float("nan")
+
+
+@contextmanager
+def _recording(model, record: list):
+    """Record (queries, keys, values, scale) at every attention call of ``model``."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    modules = [m for m in modules if hasattr(m, "scaled_dot_product_attention")]
+    originals = {m: m.scaled_dot_product_attention for m in modules}
+
+    def wrap(original):
+        def sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, **kwargs):
+            record.append((queries, keys, values, scale))
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+        return sdpa
+
+    try:
+        for m, original in originals.items():
+            m.scaled_dot_product_attention = wrap(original)
+        yield
+    finally:
+        for m, original in originals.items():
+            m.scaled_dot_product_attention = original
+
+
+def capture_qkv(model, tokens: Sequence[int]) -> list[dict]:
+    """Each layer's attention inputs on ``tokens``: [{"q": (1, H, T, D), "k", "v": (1, H_kv,
+    T, D), "scale"}] in layer order (keys after RoPE, as the cache would store them)."""
+    record = []
+    x = mx.array(list(tokens))[None]
+    with _recording(model, record):
+        model(x)
+    mx.eval([r[:3] for r in record])
+    return [{"q": q, "k": k, "v": v, "scale": s} for q, k, v, s in record]
+
+
+def layer_fidelity(captured: list[dict], key_codec: Callable, value_codec: Optional[Callable] = None,
+                   queries: int = 128) -> list[dict]:
+    """Per layer: attention with codec-reconstructed K (and V) against exact, causal, on the
+    last ``queries`` positions. ``key_codec``/``value_codec`` are callables dim → codec (a
+    fresh one per layer, fitted on the layer's keys when it learns from data); None as
+    ``value_codec`` keeps values exact. Returns attention_fidelity's dict per layer plus
+    "key_rel_mse" (‖k̂ − k‖² / ‖k‖²)."""
+    out = []
+    for layer in captured:
+        q, k, v, scale = layer["q"], layer["k"], layer["v"], layer["scale"]
+        T, D = k.shape[2], k.shape[3]
+        kc = key_codec(D)
+        if hasattr(kc, "fit"):
+            kc.fit(k)
+        k_hat = kc.decode(kc.encode(k))
+        v_hat = v
+        if value_codec is not None:
+            vc = value_codec(D)
+            if hasattr(vc, "fit"):
+                vc.fit(v)
+            v_hat = vc.decode(vc.encode(v))
+        nq = min(queries, T)
+        mask = mx.arange(T - nq, T)[:, None] >= mx.arange(T)[None]
+        f = attention_fidelity(q[:, :, T - nq:], k, v, k_hat, v_hat, scale=scale, mask=mask)
+        f["key_rel_mse"] = (mx.sum((k_hat - k) ** 2) / mx.sum(k * k)).item()
+        out.append(f)
+    return out
+
+
+# ------------------------------------------------------------------ needle in a haystack
+NEEDLE = "The secret code of the blue door is {value}."
+QUESTION = "\n\nWhat is the secret code of the blue door? The secret code of the blue door is"
+
+
+def needle_prompt(tokenizer, haystack_ids: Sequence[int], context: int, depth: float, value: str) -> list[int]:
+    """Token ids: ``context`` tokens of distractor text with the needle sentence inserted at
+    relative ``depth`` ∈ [0, 1] (on a sentence-free token boundary), then the question."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must lie in [0, 1], got {depth!r}")
+    needle = encode_text(tokenizer, " " + NEEDLE.format(value=value) + " ")
+    question = encode_text(tokenizer, QUESTION)
+    n_hay = context - len(needle) - len(question)
+    if n_hay < 16 or len(haystack_ids) < n_hay:
+        raise ValueError(f"context {context} is too short or the haystack too small")
+    at = int(round(depth * n_hay))
+    hay = list(haystack_ids[:n_hay])
+    return hay[:at] + needle + hay[at:] + question
+
+
+def needle_accuracy(model, tokenizer, haystack_ids: Sequence[int], contexts: Sequence[int],
+                    depths: Sequence[float], make_cache: MakeCache = None, values: Sequence[str] = (
+                        "4721", "8356", "1943", "6208"), chunk: int = 256, max_tokens: int = 6,
+                    progress: bool = False) -> dict:
+    """Greedy answer to the needle question for each context length × depth × value; a
+    trial succeeds when the generated text contains the value. Returns {context: accuracy}
+    and the per-trial records under "trials"."""
+    trials, acc = [], {}
+    jobs = [(c, d, v) for c in contexts for d in depths for v in values]
+    for c, d, v in _progress(jobs, len(jobs), "needle", progress):
+        ids = mx.array(needle_prompt(tokenizer, haystack_ids, c, d, v))[None]
+        cache = _fresh(model, make_cache)
+        logits = _prefill_logits(model, ids, cache, chunk)[:, -1]
+        out = []
+        for _ in range(max_tokens):
+            t = logits.argmax(-1)
+            out.append(t.item())
+            logits = model(t[:, None], cache=cache)[:, -1]
+        text = tokenizer.decode(out)
+        trials.append({"context": c, "depth": d, "value": v, "answer": text, "ok": v in text})
+    for c in contexts:
+        ok = [t["ok"] for t in trials if t["context"] == c]
+        acc[c] = sum(ok) / len(ok)
+    return {"accuracy": acc, "trials": trials}
+
+
+# ------------------------------------------------------------------ top-1 agreement
 def top1_agreement(model, prompt: mx.array, continuation: mx.array, make_cache, reference_cache=None) -> float:
     """Teacher-forced greedy agreement: prefill ``prompt`` (1, P), then feed ``continuation``
     (1, N) one token at a time through a cache from ``make_cache()`` and through a
@@ -25,3 +240,25 @@ def top1_agreement(model, prompt: mx.array, continuation: mx.array, make_cache, 
         b = model(t, cache=ours)[:, -1].argmax(-1)
         agree.append(mx.array_equal(a, b).item())
     return sum(agree) / len(agree)
+
+
+def greedy_agreement(model, prompt: Sequence[int], n_tokens: int, make_cache, chunk: int = 256) -> float:
+    """Greedy top-1 agreement over ``n_tokens`` generated by the full-precision model: the
+    full-precision continuation is generated once, then teacher-forced through both caches
+    (``top1_agreement``)."""
+    from mlx_lm.models.cache import make_prompt_cache
+    ref = make_prompt_cache(model)
+    p = mx.array(list(prompt))[None]
+    logits = _prefill_logits(model, p, ref, chunk)[:, -1]
+    cont = []
+    for _ in range(n_tokens):
+        t = logits.argmax(-1)
+        cont.append(t.item())
+        logits = model(t[:, None], cache=ref)[:, -1]
+    return top1_agreement(model, p, mx.array(cont)[None], make_cache)
+
+
+def mean_cosine(fidelity: list[dict]) -> float:
+    """Mean over layers of the mean attention-output cosine similarity."""
+    return sum(f["cos_mean"] for f in fidelity) / len(fidelity)
+

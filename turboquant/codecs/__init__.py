@@ -1,6 +1,7 @@
 """Codecs: one file each, one interface (``base.Codec``)."""
 from .base import CODECS, Code, Codec, from_config
 from .affine import AffineCodec
+from .center import Centered
 from .fibquant import FibQuant
 from .identity import Identity
 from .polar import PolarQuant
@@ -8,4 +9,4 @@ from .qjl import QJL, TurboQuantProd
 from .scalar import TurboQuantMSE
 from .split import OutlierSplit
 
-__all__ = ["CODECS", "Code", "Codec", "from_config", "TurboQuantMSE", "AffineCodec", "QJL", "TurboQuantProd", "PolarQuant", "FibQuant", "Identity", "OutlierSplit"]
+__all__ = ["CODECS", "Code", "Codec", "from_config", "TurboQuantMSE", "AffineCodec", "QJL", "TurboQuantProd", "PolarQuant", "FibQuant", "Identity", "OutlierSplit", "Centered"]

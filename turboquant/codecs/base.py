@@ -8,6 +8,7 @@ which ``from_config`` rebuilds the codec bit for bit.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Mapping
@@ -132,7 +133,7 @@ class Codec:
         return isinstance(other, Codec) and self.config() == other.config()
 
     def __hash__(self):
-        return hash(tuple(sorted(self.config().items())))
+        return hash(json.dumps(self.config(), sort_keys=True))
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "codec")

@@ -1,0 +1,62 @@
+"""Centered: the per-head mean is exact for attention and shrinks what the codec must hold."""
+import mlx.core as mx
+import pytest
+
+from turboquant.attention import reference_attention
+from turboquant.codecs import Centered, OutlierSplit, TurboQuantMSE, from_config
+
+
+def offset_keys(seed=0, B=1, H=3, T=256, D=64, offset=4.0):
+    base = mx.random.normal((B, H, T, D), key=mx.random.key(seed))
+    mu = offset * mx.random.normal((H, 1, D), key=mx.random.key(seed + 100))
+    return base + mu
+
+
+def test_mean_is_per_head_and_round_trip_rebuilds_bit_for_bit():
+    x = offset_keys()
+    c = Centered(TurboQuantMSE(64, 3)).fit(x)
+    assert c.mean.shape == (3, 64)
+    assert mx.allclose(c.mean, mx.mean(x[0], axis=1), atol=1e-5)
+    again = from_config(c.config())
+    assert again == c and mx.array_equal(again.mean, c.mean)
+    assert mx.array_equal(again.decode(c.encode(x)), c.decode(c.encode(x)))
+    assert c.bits_per_coordinate == TurboQuantMSE(64, 3).bits_per_coordinate
+    assert c.side_nbytes == 3 * 64 * 4
+
+
+def test_centering_lowers_the_error_on_offset_keys_and_changes_no_attention():
+    x = offset_keys()
+    plain = TurboQuantMSE(64, 3)
+    cent = Centered(TurboQuantMSE(64, 3)).fit(x)
+    err = lambda codec: mx.mean((codec.roundtrip(x) - x) ** 2).item()   # noqa: E731
+    assert err(cent) < 0.5 * err(plain)
+    # the exactness argument: attention with k − μ, v − μ plus μ equals attention with k, v
+    q = mx.random.normal((1, 3, 5, 64), key=mx.random.key(9))
+    mu = cent.broadcast_mean(4)
+    a = reference_attention(q, x, x)
+    b = reference_attention(q, x - mu, x - mu) + mu
+    assert mx.abs(a - b).max().item() < 1e-4
+
+
+def test_inner_outlier_split_is_fitted_on_centered_vectors():
+    x = offset_keys(D=64)
+    c = Centered(OutlierSplit(64, n_outliers=16, outlier_bits=3, bits=2)).fit(x)
+    assert c.fitted and c.inner.fitted
+    assert from_config(c.config()).inner.channels == c.inner.channels
+
+
+def test_bad_input():
+    c = Centered(TurboQuantMSE(64, 3))
+    with pytest.raises(ValueError, match="no mean yet"):
+        c.encode(offset_keys())
+    c.fit(offset_keys())
+    with pytest.raises(ValueError, match="fitted on 3 heads"):
+        c.encode(offset_keys(H=2))
+    with pytest.raises(ValueError, match="shape"):
+        Centered(TurboQuantMSE(64, 3), mean=[[0.0] * 63])
+    with pytest.raises(ValueError, match="finite"):
+        Centered(TurboQuantMSE(64, 3), mean=[float("nan")] * 64)
+    with pytest.raises(TypeError):
+        Centered("turboquant")
+    with pytest.raises(ValueError, match="NaN"):
+        c.encode(mx.full((1, 3, 2, 64), float("nan")))

