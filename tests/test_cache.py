@@ -214,24 +214,29 @@ def test_corrupt_truncated_and_foreign_files_raise(tmp_path, llama):
     assert good.read_bytes() == data                 # failed loads never touch the file
 
 
-@pytest.mark.parametrize("kc, vc, fp_window", [
-    (lambda d: TurboQuantMSE(d, 4), lambda d: TurboQuantMSE(d, 2), 0),
-    (lambda d: TurboQuantMSE(d, 3), lambda d: TurboQuantMSE(d, 8), 0),
-    (lambda d: TurboQuantMSE(d, 1, rotation="haar"), lambda d: FibQuant(d, 4, 256), 0),
-    (lambda d: FibQuant(d, 2, 16), lambda d: PolarQuant(d), 0),
-    (lambda d: TurboQuantMSE(d, 4), lambda d: TurboQuantMSE(d, 4), 32),
-    (lambda d: AffineCodec(d, 4, 64), lambda d: TurboQuantProd(d, 3), 16),
-    (lambda d: Centered(TurboQuantMSE(d, 4)), lambda d: Centered(FibQuant(d, 2, 16)), 0),
-    (lambda d: Centered(TurboQuantMSE(d, 3)), lambda d: Centered(PolarQuant(d)), 24),
+@pytest.mark.parametrize("kc, vc, fp_window, sinks", [
+    (lambda d: TurboQuantMSE(d, 4), lambda d: TurboQuantMSE(d, 2), 0, 0),
+    (lambda d: TurboQuantMSE(d, 3), lambda d: TurboQuantMSE(d, 8), 0, 0),
+    (lambda d: TurboQuantMSE(d, 1, rotation="haar"), lambda d: FibQuant(d, 4, 256), 0, 0),
+    (lambda d: FibQuant(d, 2, 16), lambda d: PolarQuant(d), 0, 0),
+    (lambda d: TurboQuantMSE(d, 4), lambda d: TurboQuantMSE(d, 4), 32, 0),
+    (lambda d: AffineCodec(d, 4, 64), lambda d: TurboQuantProd(d, 3), 16, 0),
+    (lambda d: Centered(TurboQuantMSE(d, 4)), lambda d: Centered(FibQuant(d, 2, 16)), 0, 0),
+    (lambda d: Centered(TurboQuantMSE(d, 3)), lambda d: Centered(PolarQuant(d)), 24, 4),
+    (lambda d: Centered(TurboQuantMSE(d, 4)), lambda d: TurboQuantMSE(d, 3), 0, 1),
+    (lambda d: FibQuant(d, 2, 16), lambda d: AffineCodec(d, 4, 64), 300, 4),
 ])
-def test_attention_from_codes_equals_dequantize_then_sdpa(kc, vc, fp_window):
+def test_attention_from_codes_equals_dequantize_then_sdpa(kc, vc, fp_window, sinks):
     from turboquant.attention import attention_from_codes, reference_attention
     D, T = 64, 300
     k = mx.random.normal((1, 2, T, D), key=mx.random.key(0)) + 3.0      # a common offset, as real keys
     v = mx.random.normal((1, 2, T, D), key=mx.random.key(1)) - 1.0
     q = mx.random.normal((1, 8, 3, D), key=mx.random.key(2)) * 0.3      # GQA: 8 query heads, 2 kv heads
-    c = TurboQuantKVCache(kc(D), vc(D), fp_window=fp_window)
-    k_hat, v_hat = c.update_and_fetch(k, v)
+    c = TurboQuantKVCache(kc(D), vc(D), fp_window=fp_window, sink_tokens=sinks)
+    k_hat, v_hat = c.update_and_fetch(k[:, :, :200], v[:, :, :200])       # sinks come from the first chunk
+    k_hat, v_hat = c.update_and_fetch(k[:, :, 200:], v[:, :, 200:])
+    if sinks:
+        assert mx.array_equal(k_hat[:, :, :sinks], k[:, :, :sinks])
     causal = mx.arange(T - 3, T)[:, None] >= mx.arange(T)[None]
     ref = reference_attention(q, k_hat, v_hat, mask=causal)
     import turboquant.cache as tc

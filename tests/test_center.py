@@ -60,3 +60,25 @@ def test_bad_input():
         Centered("turboquant")
     with pytest.raises(ValueError, match="NaN"):
         c.encode(mx.full((1, 3, 2, 64), float("nan")))
+
+
+def test_cache_with_centered_keys_and_sinks_saves_trims_and_reloads(tmp_path):
+    from turboquant.cache import TurboQuantKVCache
+    from turboquant.prompt_cache import load_prompt_cache, save_prompt_cache
+    k, v = offset_keys(seed=1, T=100), offset_keys(seed=2, T=100)
+    c = TurboQuantKVCache(Centered(TurboQuantMSE(64, 3)), TurboQuantMSE(64, 2), sink_tokens=2)
+    c.update_and_fetch(k[:, :, :1], v[:, :, :1])          # the sink fills across updates
+    kh, vh = c.update_and_fetch(k[:, :, 1:], v[:, :, 1:])
+    assert mx.array_equal(kh[:, :, :2], k[:, :, :2]) and mx.array_equal(vh[:, :, :2], v[:, :, :2])
+    assert not mx.array_equal(kh[:, :, 2:3], k[:, :, 2:3])
+    assert c.nbytes == c.code_nbytes(256) + 2 * 3 * 2 * 64 * 4       # codes (one 256 step) + sinks
+    save_prompt_cache(tmp_path / "c.safetensors", [c])
+    (d,) = load_prompt_cache(tmp_path / "c.safetensors")
+    assert d.sink_tokens == 2 and d.key_codec == c.key_codec
+    k1, v1 = c.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    k2, v2 = d.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    assert mx.array_equal(k1, k2) and mx.array_equal(v1, v2)
+    d.trim(d.offset - 1)                                      # back to one token: one sink left
+    assert d.sink_keys.shape[2] == 1 and d.offset == 1
+    with pytest.raises(ValueError, match="sink_tokens"):
+        TurboQuantKVCache(TurboQuantMSE(64, 3), sink_tokens=-1)

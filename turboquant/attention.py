@@ -140,7 +140,7 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     other scalar codes: gathered centroids), the softmax weights times the
     value norms sum the value codewords in the rotated frame, and one inverse rotation
     ends it. Other codecs are dequantized first. Full-precision recent tokens are used as
-    such. A ``Centered`` codec's mean enters exactly: q·μ added to the coded scores, and
+    such, and so are sink tokens (the first S). A ``Centered`` codec's mean enters exactly: q·μ added to the coded scores, and
     μ times the softmax mass on coded tokens added to the output. Equal to dequantize-then-attend up to float rounding.
     """
     B, H, Tq, D = q.shape
@@ -151,7 +151,7 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     scale = 1 / math.sqrt(D) if scale is None else scale
     qf = (q.astype(mx.float32) * scale).reshape(B, Hk, R, Tq, D)
     T = keys.shape[2]
-    r = 0 if keys.recent is None else keys.recent.shape[2]
+    s, r = keys.exact_spans()
 
     kc, code = _unwrap(keys)
     if _rotated(kc):
@@ -168,9 +168,13 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     if kc is not keys.codec:                                  # Centered: add q·μ back
         mu = keys.codec.mean                                  # (Hk, D) or (D,)
         scores = scores + (qf @ mu[:, None, :, None] if mu.ndim == 2 else (qf @ mu)[..., None])
-    if r:
-        recent = qf @ mx.swapaxes(keys.recent.astype(mx.float32), -1, -2)[:, :, None]
-        scores = mx.concatenate([scores[..., : T - r], recent], axis=-1)
+    if s or r:                                                # exact sink / recent tokens
+        exact = lambda x: qf @ mx.swapaxes(x.astype(mx.float32), -1, -2)[:, :, None]  # noqa: E731
+        parts = [exact(keys.sink[..., :s, :])] if s else []
+        parts.append(scores[..., s:T - r])
+        if r:
+            parts.append(exact(keys.recent[..., keys.recent.shape[2] - r:, :]))
+        scores = mx.concatenate(parts, axis=-1)
 
     if mask is not None:
         m = _causal(mask, Tq, T)
@@ -180,24 +184,22 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     p = mx.softmax(scores, axis=-1, precise=True)                              # (B, Hk, R, Tq, T)
 
     vc, code = _unwrap(values)
-    rv = 0 if values.recent is None else values.recent.shape[2]
+    sv, rv = values.exact_spans()
+    pc = p[..., sv:T - rv]                                    # weights of the coded tokens
     if _rotated(vc):
-        w = p * mx.swapaxes(code["norm"].astype(mx.float32), -1, -2)[:, :, None]
-        if rv:
-            w = w[..., : T - rv]
-        units = vc.decode_rotated(code)
-        units = units[..., : T - rv, :] if rv else units
+        w = pc * mx.swapaxes(code["norm"].astype(mx.float32), -1, -2)[:, :, None][..., sv:T - rv]
+        units = vc.decode_rotated(code)[..., sv:T - rv, :]
         out = vc.rotation.invert(w @ units[:, :, None])
     else:
-        vfull = vc.decode(code).astype(mx.float32)
-        vfull = vfull[..., : T - rv, :] if rv else vfull
-        out = (p[..., : T - rv] if rv else p) @ vfull[:, :, None]
+        vfull = vc.decode(code).astype(mx.float32)[..., sv:T - rv, :]
+        out = pc @ vfull[:, :, None]
     if vc is not values.codec:                                # Centered: + (Σ p over codes)·μ
         mu = values.codec.mean
-        mass = (p[..., : T - rv] if rv else p).sum(axis=-1, keepdims=True)
-        out = out + mass * (mu[:, None, None, :] if mu.ndim == 2 else mu)
+        out = out + pc.sum(axis=-1, keepdims=True) * (mu[:, None, None, :] if mu.ndim == 2 else mu)
+    if sv:
+        out = out + p[..., :sv] @ values.sink[..., :sv, :].astype(mx.float32)[:, :, None]
     if rv:
-        out = out + p[..., T - rv:] @ values.recent.astype(mx.float32)[:, :, None]
+        out = out + p[..., T - rv:] @ values.recent[..., values.recent.shape[2] - rv:, :].astype(mx.float32)[:, :, None]
     return out.reshape(B, H, Tq, D).astype(q.dtype)
 
 

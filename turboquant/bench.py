@@ -5,7 +5,8 @@ import time
 
 import mlx.core as mx
 
-__all__ = ["time_call", "encode_decode_seconds", "affine_seconds"]
+__all__ = ["time_call", "encode_decode_seconds", "affine_seconds", "matmul_gflops",
+           "scoring_tokens_per_second", "blas_comparison"]
 
 
 def time_call(fn, *args, repeats: int = 5, warmup: int = 1) -> float:
@@ -65,3 +66,50 @@ def decode_attention_seconds(T: int, codec, H: int = 8, D: int = 128, repeats: i
             q, kv.dequantize(), vv.dequantize(), scale=scale), repeats=repeats),
         "from_codes": time_call(lambda: attention_from_codes(q, kv, vv, scale=scale), repeats=repeats),
     }
+
+
+# ------------------------------------------------------------------ fast BLAS (Chapter 9)
+_BLAS_PROBE = r"""
+import json, sys, time
+import turboquant, turboquant.blas as blas
+import mlx.core as mx
+from turboquant.bench import matmul_gflops, scoring_tokens_per_second
+out = {"fast_blas": blas.status()["fast_blas"], "gflops": matmul_gflops()}
+if sys.argv[1] == "1":
+    from turboquant.models import load_default
+    model, _ = load_default()
+    out["tokens_per_s"] = scoring_tokens_per_second(model, int(sys.argv[2]))
+print(json.dumps(out))
+"""
+
+
+def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """float32 GFLOP/s of an (n × n) @ (n × n) matmul on the default device."""
+    a = mx.random.normal((n, n), key=mx.random.key(0))
+    b = mx.random.normal((n, n), key=mx.random.key(1))
+    return 2 * n ** 3 / time_call(lambda x, y: x @ y, a, b, repeats=repeats) / 1e9
+
+
+def scoring_tokens_per_second(model, n_tokens: int = 256) -> float:
+    """Tokens per second of one full-sequence forward pass (scoring, as perplexity does)."""
+    x = mx.arange(100, 100 + n_tokens)[None]
+    return n_tokens / time_call(lambda t: model(t), x, repeats=3)
+
+
+def blas_comparison(with_model: bool = True, n_tokens: int = 256) -> dict:
+    """Matmul GFLOP/s (and model scoring tokens/s) with the fast BLAS and without, each in a
+    fresh Python process of the same run (MKL must be loaded before mlx, so one process
+    cannot measure both): {"fast": {...}, "reference": {...}}."""
+    import json
+    import os
+    import subprocess
+    import sys
+    out = {}
+    for label, flag in (("fast", "1"), ("reference", "0")):
+        env = {**os.environ, "TURBOQUANT_FAST_BLAS": flag}
+        r = subprocess.run([sys.executable, "-c", _BLAS_PROBE, "1" if with_model else "0", str(n_tokens)],
+                           capture_output=True, text=True, env=env, timeout=900)
+        if r.returncode:
+            raise RuntimeError(f"BLAS probe failed: {r.stderr[-2000:]}")
+        out[label] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out

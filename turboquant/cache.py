@@ -3,8 +3,9 @@
 ``TurboQuantKVCache`` follows mlx-lm's cache protocol (``offset``, ``update_and_fetch``,
 ``state``/``meta_state``, ``from_state``, ``is_trimmable``/``trim``, ``make_mask``, ``empty``,
 ``nbytes``, ``size``). It stores only codes — per-token fields of shape (B, H_kv, T, w) —
-grown in steps of 256 tokens, plus an optional full-precision copy of the most recent R
-tokens. ``update_and_fetch`` returns dequantized K and V, so any model's usual attention
+grown in steps of 256 tokens, plus optional full-precision copies of the most recent R
+tokens and of the first S tokens (attention sinks: Chapter 9 shows why they matter once
+keys are centered). ``update_and_fetch`` returns dequantized K and V, so any model's usual attention
 works unchanged; under ``turboquant.attention.codes_attention`` it returns ``CodesView``
 objects instead and attention is computed from the codes.
 
@@ -63,19 +64,33 @@ class CodeBuffer:
 class CodesView:
     """What ``update_and_fetch`` returns in codes mode: the codes attention should read."""
 
-    def __init__(self, codec: Codec, buffer: CodeBuffer, dtype, recent: Optional[mx.array] = None):
-        self.codec, self.buffer, self.dtype, self.recent = codec, buffer, dtype, recent
+    def __init__(self, codec: Codec, buffer: CodeBuffer, dtype, recent: Optional[mx.array] = None,
+                 sink: Optional[mx.array] = None):
+        self.codec, self.buffer, self.dtype, self.recent, self.sink = codec, buffer, dtype, recent, sink
         B, H = next(iter(buffer.fields.values())).shape[:2]
         self.shape = (B, H, buffer.length, codec.dim)
 
     def code(self) -> Code:
         return Code(self.buffer.fields, self.shape[:3], self.dtype, self.codec.config())
 
+    def exact_spans(self) -> tuple[int, int]:
+        """(s, r): the first s and the last r of the T tokens are held exactly (sink and
+        recent window, never overlapping: the recent window yields to the sink)."""
+        T = self.shape[2]
+        s = 0 if self.sink is None else min(self.sink.shape[2], T)
+        r = 0 if self.recent is None else min(self.recent.shape[2], T - s)
+        return s, r
+
     def dequantize(self) -> mx.array:
         x = self.codec.decode(self.code())
-        if self.recent is not None and self.recent.shape[2]:
-            r = self.recent.shape[2]
-            x = mx.concatenate([x[..., : x.shape[2] - r, :], self.recent.astype(x.dtype)], axis=2)
+        s, r = self.exact_spans()
+        if s or r:
+            T = x.shape[2]
+            parts = [self.sink[..., :s, :].astype(x.dtype)] if s else []
+            parts.append(x[..., s:T - r, :])
+            if r:
+                parts.append(self.recent[..., self.recent.shape[2] - r:, :].astype(x.dtype))
+            x = mx.concatenate(parts, axis=2)
         return x
 
 
@@ -86,20 +101,27 @@ def _prepare(codec: Codec, x: mx.array) -> Codec:
 
 
 class TurboQuantKVCache:
-    """A KV cache of codes: ``TurboQuantKVCache(key_codec, value_codec=None, fp_window=0)``.
+    """A KV cache of codes: ``TurboQuantKVCache(key_codec, value_codec=None, fp_window=0,
+    sink_tokens=0)``.
 
     Keys and values have shape (B, H_kv, T, D); ``value_codec`` defaults to ``key_codec``.
-    ``fp_window`` = R keeps the most recent R tokens in full precision as well (their codes
-    are stored too, so trimming and eviction stay exact).
+    ``fp_window`` = R keeps the most recent R tokens in full precision as well, and
+    ``sink_tokens`` = S the first S tokens of the sequence (their codes are stored too, so
+    trimming and eviction stay exact).
     """
 
     step = 256
 
-    def __init__(self, key_codec: Codec, value_codec: Optional[Codec] = None, fp_window: int = 0):
+    def __init__(self, key_codec: Codec, value_codec: Optional[Codec] = None, fp_window: int = 0,
+                 sink_tokens: int = 0):
         if not isinstance(key_codec, Codec) or not isinstance(value_codec or key_codec, Codec):
             raise TypeError("key_codec and value_codec must be turboquant codecs")
         if isinstance(fp_window, bool) or not isinstance(fp_window, int) or fp_window < 0:
             raise ValueError(f"fp_window must be a non-negative int, got {fp_window!r}")
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be a non-negative int, got {sink_tokens!r}")
+        self.sink_tokens = sink_tokens
+        self.sink_keys = self.sink_values = None
         self.key_codec, self.value_codec = key_codec, value_codec or key_codec
         self.fp_window = fp_window
         self.keys: Optional[CodeBuffer] = None
@@ -122,6 +144,7 @@ class TurboQuantKVCache:
                 self.values = CodeBuffer.concat([self.values.slice(0, prev), vc.zeros(n)])
         self.keys.assign(prev, kc)
         self.values.assign(prev, vc)
+        self._update_sink(prev, keys, values)
         self.offset += T
         self._update_recent(keys, values)
         return self._fetch(self.keys.slice(0, self.offset), self.values.slice(0, self.offset))
@@ -140,6 +163,14 @@ class TurboQuantKVCache:
         vc = _prepare(self.value_codec, values).encode(values)
         return CodeBuffer(kc.arrays), CodeBuffer(vc.arrays)
 
+    def _update_sink(self, prev, keys, values):
+        n = self.sink_tokens - prev
+        if n <= 0:
+            return
+        cat = lambda old, new: new if old is None else mx.concatenate([old, new], axis=2)  # noqa: E731
+        self.sink_keys = cat(self.sink_keys, keys[..., :n, :])
+        self.sink_values = cat(self.sink_values, values[..., :n, :])
+
     def _update_recent(self, keys, values):
         if not self.fp_window:
             return
@@ -149,8 +180,8 @@ class TurboQuantKVCache:
         self.recent_values = cat(self.recent_values, values)[..., -r:, :]
 
     def _fetch(self, kbuf: CodeBuffer, vbuf: CodeBuffer):
-        k = CodesView(self.key_codec, kbuf, self.dtype, self.recent_keys)
-        v = CodesView(self.value_codec, vbuf, self.dtype, self.recent_values)
+        k = CodesView(self.key_codec, kbuf, self.dtype, self.recent_keys, self.sink_keys)
+        v = CodesView(self.value_codec, vbuf, self.dtype, self.recent_values, self.sink_values)
         if codes_mode.get():
             return k, v
         return k.dequantize(), v.dequantize()
@@ -171,6 +202,9 @@ class TurboQuantKVCache:
             keep = max(0, self.recent_keys.shape[2] - n)
             self.recent_keys = self.recent_keys[..., :keep, :]
             self.recent_values = self.recent_values[..., :keep, :]
+        if self.sink_keys is not None and self.sink_keys.shape[2] > self.offset:
+            self.sink_keys = self.sink_keys[..., :self.offset, :]
+            self.sink_values = self.sink_values[..., :self.offset, :]
         return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
@@ -182,7 +216,8 @@ class TurboQuantKVCache:
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
-        fp = sum(a.nbytes for a in (self.recent_keys, self.recent_values) if a is not None)
+        fp = sum(a.nbytes for a in (self.recent_keys, self.recent_values, self.sink_keys, self.sink_values)
+                 if a is not None)
         return self.keys.nbytes + self.values.nbytes + fp
 
     def code_nbytes(self, n_tokens: Optional[int] = None) -> int:
@@ -199,6 +234,8 @@ class TurboQuantKVCache:
         if self.keys is None:
             return {}, {}, {}
         rec = {"k": self.recent_keys, "v": self.recent_values} if self.fp_window and self.recent_keys is not None else {}
+        if self.sink_keys is not None:
+            rec.update(sk=self.sink_keys, sv=self.sink_values)
         return self.keys.slice(0, self.offset).fields, self.values.slice(0, self.offset).fields, rec
 
     @state.setter
@@ -207,11 +244,13 @@ class TurboQuantKVCache:
         self.keys = CodeBuffer(k) if k else None
         self.values = CodeBuffer(val) if val else None
         self.recent_keys, self.recent_values = rec.get("k"), rec.get("v")
+        self.sink_keys, self.sink_values = rec.get("sk"), rec.get("sv")
 
     @property
     def meta_state(self) -> dict:
         return {"class": type(self).__name__, "key_codec": self.key_codec.config(),
                 "value_codec": self.value_codec.config(), "fp_window": self.fp_window,
+                "sink_tokens": self.sink_tokens,
                 "offset": self.offset, "dtype": str(self.dtype).split(".")[-1]}
 
     @meta_state.setter
@@ -219,6 +258,7 @@ class TurboQuantKVCache:
         from .codecs.base import from_config
         self.key_codec, self.value_codec = from_config(m["key_codec"]), from_config(m["value_codec"])
         self.fp_window, self.offset = int(m["fp_window"]), int(m["offset"])
+        self.sink_tokens = int(m.get("sink_tokens", 0))
         self.dtype = getattr(mx, m["dtype"])
 
     @classmethod
@@ -342,7 +382,7 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
         k, val, _ = v
         self.keys = CodeBuffer(k) if k else None
         self.values = CodeBuffer(val) if val else None
-        self.recent_keys = self.recent_values = None
+        self.recent_keys = self.recent_values = self.sink_keys = self.sink_values = None
 
     @property
     def meta_state(self) -> dict:

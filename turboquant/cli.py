@@ -1,8 +1,15 @@
-"""Command line: ``turboquant memory`` (more sub-commands arrive with their chapters)."""
+"""Command line.
+
+  turboquant memory   KV-cache bytes for a model preset (Chapter 1's formula)
+  turboquant model    convert (once) and check the default real model, offline
+  turboquant eval     compare cache configurations on the default model (Chapter 9)
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from . import memory
 
@@ -20,6 +27,47 @@ def _memory(args) -> int:
     return 0
 
 
+def _model(args) -> int:
+    from mlx_lm import generate
+    from . import blas
+    from .models import default_model_dir, load_default
+    model, tok = load_default(args.folder)
+    print(f"model: {args.folder or default_model_dir()}")
+    print(f"fast BLAS: {blas.status()}")
+    text = generate(model, tok, args.prompt, max_tokens=args.max_tokens)
+    print(f"{args.prompt!r} → {text!r}")
+    if args.expect and args.expect not in text:
+        print(f"error: expected {args.expect!r} in the continuation", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _eval(args) -> int:
+    from .models import load_default
+    from .suite import CHAPTER_CONFIGS, CONFIGS, evaluate, frontier_rows
+    if args.list:
+        for name, c in CONFIGS.items():
+            print(f"{name:32s} {c.family}")
+        return 0
+    names = list(CONFIGS) if args.configs == ["all"] else (
+        list(CHAPTER_CONFIGS) if args.configs == ["chapter"] else args.configs)
+    if "fp32" not in names:
+        names = ["fp32"] + names          # the reference every increase is measured against
+    model, tok = load_default()
+    result = evaluate(model, tok, names, tokens=args.tokens, window=args.window, chunk=args.chunk,
+                      agreement_tokens=args.agreement_tokens, fidelity_tokens=args.fidelity_tokens,
+                      needle_contexts=args.needle_contexts, corpus=args.corpus, progress=not args.quiet)
+    print(f"{'configuration':32s} {'bits':>6} {'ppl':>9} {'Δppl %':>8}")
+    for name, _, bits, ppl, inc in frontier_rows(result):
+        print(f"{name:32s} {bits:>6.3g} {ppl:>9.3f} {inc:>+8.2f}")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="turboquant", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -32,6 +80,29 @@ def main(argv=None) -> int:
     m.add_argument("--group-size", type=int, default=64, help="affine group size for --side affine")
     m.add_argument("--batch", type=int, default=1)
     m.set_defaults(run=_memory)
+
+    d = sub.add_parser("model", help="convert (once) and check the default model offline")
+    d.add_argument("--folder", default=None, help="where the converted model lives "
+                   "(default: $TURBOQUANT_CACHE/models/SmolLM2-135M-Instruct)")
+    d.add_argument("--prompt", default="The capital of France is")
+    d.add_argument("--expect", default="Paris", help="fail unless the continuation contains this ('' to skip)")
+    d.add_argument("--max-tokens", type=int, default=8)
+    d.set_defaults(run=_model)
+
+    e = sub.add_parser("eval", help="perplexity, agreement, fidelity and needle per cache configuration")
+    e.add_argument("--configs", nargs="+", default=["chapter"],
+                   help="configuration names, 'chapter' (default) or 'all'; see --list")
+    e.add_argument("--list", action="store_true", help="list the configurations and exit")
+    e.add_argument("--tokens", type=int, default=1024, help="tokens scored for perplexity")
+    e.add_argument("--window", type=int, default=512, help="scoring window (a fresh cache each)")
+    e.add_argument("--chunk", type=int, default=128, help="prefill chunk size")
+    e.add_argument("--agreement-tokens", type=int, default=16, help="greedy tokens for top-1 agreement")
+    e.add_argument("--fidelity-tokens", type=int, default=512, help="tokens captured for per-layer fidelity (0: skip)")
+    e.add_argument("--needle-contexts", type=int, nargs="*", default=[], help="needle test context lengths")
+    e.add_argument("--corpus", choices=["wikipedia", "lee"], default="wikipedia")
+    e.add_argument("--out", default=None, help="write the results as JSON here")
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
+    e.set_defaults(run=_eval)
     args = p.parse_args(argv)
     return args.run(args)
 

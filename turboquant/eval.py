@@ -20,7 +20,8 @@ import mlx.nn as nn
 from .attention import attention_fidelity
 
 __all__ = ["encode_text", "perplexity", "cache_bits", "capture_qkv", "layer_fidelity",
-           "needle_prompt", "needle_accuracy", "top1_agreement", "greedy_agreement", "mean_cosine"]
+           "needle_prompt", "needle_accuracy", "top1_agreement", "greedy_agreement", "mean_cosine",
+           "key_statistics"]
 
 MakeCache = Optional[Callable[[], list]]
 
@@ -92,7 +93,7 @@ def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, windo
     for w in _progress(range(n_win), n_win, "perplexity", progress):
         x = mx.array(tokens[w * window:(w + 1) * window])[None]
         cache = _fresh(model, make_cache)
-        logits = _prefill_logits(model, x[:, :-1], cache, chunk)
+        logits = _prefill_logits(model, x, cache, chunk)[:, :-1]
         nll = nn.losses.cross_entropy(logits, x[:, 1:], reduction="sum")
         total += nll.item()
         count += window - 1
@@ -146,11 +147,12 @@ def capture_qkv(model, tokens: Sequence[int]) -> list[dict]:
 
 
 def layer_fidelity(captured: list[dict], key_codec: Callable, value_codec: Optional[Callable] = None,
-                   queries: int = 128) -> list[dict]:
+                   queries: int = 128, sink_tokens: int = 0) -> list[dict]:
     """Per layer: attention with codec-reconstructed K (and V) against exact, causal, on the
     last ``queries`` positions. ``key_codec``/``value_codec`` are callables dim → codec (a
     fresh one per layer, fitted on the layer's keys when it learns from data); None as
-    ``value_codec`` keeps values exact. Returns attention_fidelity's dict per layer plus
+    ``value_codec`` keeps values exact; the first ``sink_tokens`` tokens stay exact, as in
+    a cache with sink tokens. Returns attention_fidelity's dict per layer plus
     "key_rel_mse" (‖k̂ − k‖² / ‖k‖²)."""
     out = []
     for layer in captured:
@@ -166,6 +168,9 @@ def layer_fidelity(captured: list[dict], key_codec: Callable, value_codec: Optio
             if hasattr(vc, "fit"):
                 vc.fit(v)
             v_hat = vc.decode(vc.encode(v))
+        if sink_tokens:
+            k_hat = mx.concatenate([k[:, :, :sink_tokens], k_hat[:, :, sink_tokens:]], axis=2)
+            v_hat = mx.concatenate([v[:, :, :sink_tokens], v_hat[:, :, sink_tokens:]], axis=2)
         nq = min(queries, T)
         mask = mx.arange(T - nq, T)[:, None] >= mx.arange(T)[None]
         f = attention_fidelity(q[:, :, T - nq:], k, v, k_hat, v_hat, scale=scale, mask=mask)
@@ -262,3 +267,23 @@ def mean_cosine(fidelity: list[dict]) -> float:
     """Mean over layers of the mean attention-output cosine similarity."""
     return sum(f["cos_mean"] for f in fidelity) / len(fidelity)
 
+
+
+def key_statistics(captured: list[dict]) -> dict:
+    """Per layer, from ``capture_qkv`` output: "sink_mass" — mean causal attention weight on
+    the first token; "centered_energy" — Σ‖k − μ_h‖² / Σ‖k‖² with μ_h the per-head key mean
+    (what centering leaves for the codec); "sink_distance" — ‖k_0 − μ‖ / mean ‖k_t − μ‖."""
+    from .attention import _repeat_kv
+    mass, energy, dist = [], [], []
+    for layer in captured:
+        q, k, s = layer["q"], layer["k"], layer["scale"]
+        T = k.shape[2]
+        scores = (q * s) @ mx.swapaxes(_repeat_kv(k, q.shape[1]), -1, -2)
+        causal = mx.arange(T)[:, None] >= mx.arange(T)[None]
+        p = mx.softmax(mx.where(causal, scores, -mx.inf), axis=-1, precise=True)
+        mass.append(mx.mean(p[..., 1:, 0]).item())
+        mu = mx.mean(k, axis=2, keepdims=True)
+        energy.append((mx.sum((k - mu) ** 2) / mx.sum(k * k)).item())
+        d = mx.linalg.norm(k - mu, axis=-1)                                   # (1, H, T)
+        dist.append(mx.mean(d[..., 0] / mx.mean(d[..., 1:], axis=-1)).item())
+    return {"sink_mass": mass, "centered_energy": energy, "sink_distance": dist}

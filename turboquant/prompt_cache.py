@@ -43,14 +43,27 @@ def _codec(spec: CodecSpec, dim: int, default_bits: int = 4) -> Codec:
 
 
 def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec = None,
-                      fp_window: int = 0, max_kv_size: Optional[int] = None) -> list:
+                      fp_window: int = 0, max_kv_size: Optional[int] = None, sink_tokens: int = 0,
+                      bits: Optional[float] = None) -> list:
     """The right TurboQuant cache for each layer of an mlx-lm model.
 
     Layers whose mlx-lm cache is a ``RotatingKVCache`` (sliding-window layers, or every layer
     when ``max_kv_size`` is given) get a ``TurboQuantRotatingKVCache`` with the same
     ``max_size`` and ``keep``; ``KVCache`` layers get a ``TurboQuantKVCache``. Other cache
     kinds (SSM states, …) are kept as mlx-lm makes them.
+
+    ``bits`` asks for a memory budget instead of codecs: the best configuration measured in
+    Chapter 9 with at most that many bits per coordinate (``turboquant.budget``; e.g. 4.25
+    → centered 4-bit keys, 4-bit values, one sink token). It cannot be combined with
+    ``key_codec``/``value_codec``/``sink_tokens``.
     """
+    if bits is not None:
+        from .budget import codecs_for, pick
+        if key_codec is not None or value_codec is not None or sink_tokens:
+            raise ValueError("give either bits= or key_codec/value_codec/sink_tokens, not both")
+        choice = pick(bits, _head_dim(model))
+        key_codec, value_codec = codecs_for(choice)
+        sink_tokens = choice.sink_tokens
     dim = _head_dim(model)
     reference = mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
     out = []
@@ -61,7 +74,7 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
         if isinstance(c, mlx_cache.RotatingKVCache):
             out.append(TurboQuantRotatingKVCache(c.max_size, kc, vc, keep=c.keep))
         elif isinstance(c, mlx_cache.KVCache):
-            out.append(TurboQuantKVCache(kc, vc, fp_window=fp_window))
+            out.append(TurboQuantKVCache(kc, vc, fp_window=fp_window, sink_tokens=sink_tokens))
         else:
             out.append(c)
     return out
@@ -160,7 +173,8 @@ def _validate(c: TurboQuantKVCache, i: int) -> None:
             raise ValueError(f"offset {c.offset} but no codes")
         return
     for codec, buf in ((c.key_codec, c.keys), (c.value_codec, c.values)):
-        ref = codec.encode(mx.zeros((1, codec.dim))).arrays
+        B, H = next(iter(buf.fields.values())).shape[:2]
+        ref = codec.encode(mx.ones((1, H, 1, codec.dim))).arrays
         if set(buf.fields) != set(ref):
             raise ValueError(f"code fields {sorted(buf.fields)} do not match {codec!r}")
         for name, a in ref.items():
@@ -179,3 +193,6 @@ def _validate(c: TurboQuantKVCache, i: int) -> None:
         raise ValueError(f"{n} stored tokens for offset {c.offset}")
     if c.recent_keys is not None and c.recent_keys.shape[2] > min(c.fp_window, c.offset):
         raise ValueError("full-precision window longer than fp_window or offset")
+    if c.sink_keys is not None and (c.sink_keys.shape[2] > min(c.sink_tokens, c.offset)
+                                    or c.sink_values is None or c.sink_values.shape != c.sink_keys.shape):
+        raise ValueError("sink tokens inconsistent with sink_tokens, offset or each other")

@@ -7,6 +7,7 @@ from .fibquant import plot_fibquant_codebook, plot_frontier, plot_radius_law
 from .inner import plot_qjl_estimates, qjl_estimates
 from .memory import MACBOOK_AIR_BYTES, plot_kv_calculator, plot_kv_memory
 from .polar import plot_polar_angles
+from .realmodel import plot_layer_heatmap, plot_ppl_frontier, plot_sink_mass
 from .scalar import plot_codebook, plot_rate_distortion
 from .sphere import plot_block_law, plot_coordinate_law, plot_rotation_effect
 from .style import COLORS, GB, MB, figure, interact, table
@@ -15,4 +16,5 @@ __all__ = ["COLORS", "GB", "MB", "figure", "interact", "table", "plot_kv_memory"
            "plot_kv_calculator", "MACBOOK_AIR_BYTES",
            "plot_rotation_effect", "plot_coordinate_law", "plot_block_law", "plot_codebook",
            "plot_rate_distortion", "plot_qjl_estimates", "qjl_estimates", "plot_polar_angles",
-           "plot_radius_law", "plot_fibquant_codebook", "plot_frontier", "plot_swa_budget"]
+           "plot_radius_law", "plot_fibquant_codebook", "plot_frontier", "plot_swa_budget",
+           "plot_ppl_frontier", "plot_layer_heatmap", "plot_sink_mass"]

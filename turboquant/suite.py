@@ -1,0 +1,172 @@
+"""The real-model comparison (Chapter 9 and ``turboquant eval``): named cache
+configurations, each scored on the same tokens.
+
+``CONFIGS`` maps a name to a ``Config`` (how to build its cache for a model, which family
+it belongs to). ``evaluate(model, tokenizer, names, …)`` runs perplexity through the cache,
+greedy top-1 agreement, per-layer attention fidelity and, optionally, needle retrieval, and
+returns plain JSON-able results.
+"""
+from __future__ import annotations
+
+import math
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+
+from . import eval as tqeval
+from .budget import BUDGETS, codecs_for
+from .codecs import (AffineCodec, Centered, FibQuant, OutlierSplit, PolarQuant, TurboQuantMSE,
+                     TurboQuantProd)
+from .data import load_text
+from .prompt_cache import make_prompt_cache
+
+__all__ = ["Config", "CONFIGS", "CHAPTER_CONFIGS", "evaluate", "frontier_rows"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """A cache configuration: ``key``/``value`` are codec factories dim → codec (None for
+    mlx-lm's own caches, built by ``mlx_bits``), plus cache options."""
+
+    family: str
+    key: Optional[Callable] = None
+    value: Optional[Callable] = None
+    fp_window: int = 0
+    sink_tokens: int = 0
+    mlx_bits: Optional[int] = None          # mlx-lm QuantizedKVCache(group_size=64, bits)
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def make_cache(self, model) -> Optional[Callable[[], list]]:
+        """A zero-argument cache factory for ``turboquant.eval`` (None: fp32 KVCache)."""
+        if self.key is None and self.mlx_bits is None:
+            return None
+        if self.mlx_bits is not None:
+            from mlx_lm.models.cache import QuantizedKVCache
+            n = len(model.layers)
+            return lambda: [QuantizedKVCache(group_size=64, bits=self.mlx_bits) for _ in range(n)]
+        return lambda: make_prompt_cache(model, key_codec=self.key, value_codec=self.value or self.key,
+                                         fp_window=self.fp_window, sink_tokens=self.sink_tokens)
+
+    def nominal_bits(self, dim: int) -> float:
+        """Average over K and V of the codec's bits per coordinate (side information included)."""
+        if self.mlx_bits is not None:
+            return self.mlx_bits + 32 / 64
+        if self.key is None:
+            return 32.0
+        kc, vc = self.key(dim), (self.value or self.key)(dim)
+        return (kc.bits_per_coordinate + vc.bits_per_coordinate) / 2
+
+
+def _mse(b, seed=0):
+    return lambda d: TurboQuantMSE(d, b, seed=seed)
+
+
+def _budget_configs():
+    out = {}
+    for b in BUDGETS:
+        k, v = codecs_for(b)
+        out[f"budget K{b.key_bits}/V{b.value_bits}"] = Config(
+            "budget (centered keys + sink)", k, v, sink_tokens=b.sink_tokens, note=b.name)
+    return out
+
+
+CONFIGS: dict[str, Config] = {
+    "fp32": Config("reference"),
+    "mlx-lm affine 8": Config("mlx-lm affine", mlx_bits=8, note="QuantizedKVCache g=64"),
+    "mlx-lm affine 4": Config("mlx-lm affine", mlx_bits=4, note="QuantizedKVCache g=64"),
+    "uniform 4": Config("per-vector uniform", lambda d: AffineCodec(d, 4, 64), note="naive min-max per vector"),
+    "uniform 3": Config("per-vector uniform", lambda d: AffineCodec(d, 3, 64), note="naive min-max per vector"),
+    "uniform 2": Config("per-vector uniform", lambda d: AffineCodec(d, 2, 64), note="naive min-max per vector"),
+    "TQ-mse 4": Config("TurboQuant_mse", _mse(4)),
+    "TQ-mse 3": Config("TurboQuant_mse", _mse(3)),
+    "TQ-mse 2": Config("TurboQuant_mse", _mse(2)),
+    "TQ-prod 4": Config("TurboQuant_prod", lambda d: TurboQuantProd(d, 4)),
+    "TQ-prod 3": Config("TurboQuant_prod", lambda d: TurboQuantProd(d, 3)),
+    "PolarQuant": Config("PolarQuant", lambda d: PolarQuant(d)),
+    "FibQuant 3.5": Config("FibQuant", lambda d: FibQuant(d, 2, 128)),
+    "FibQuant 2.5": Config("FibQuant", lambda d: FibQuant(d, 2, 32)),
+    "K4/V2": Config("asymmetric", _mse(4), _mse(2)),
+    "K4/V3": Config("asymmetric", _mse(4), _mse(3)),
+    "K3/V4": Config("asymmetric", _mse(3), _mse(4)),
+    "TQ-mse 3 + 64 fp recent": Config("recent window", _mse(3), fp_window=64),
+    "outlier split 16@3 + 48@2": Config("outlier split", lambda d: OutlierSplit(d, n_outliers=d // 4,
+                                                                               outlier_bits=3, bits=2)),
+    "centered TQ-mse 4": Config("centered", lambda d: Centered(TurboQuantMSE(d, 4))),
+    "centered TQ-mse 3": Config("centered", lambda d: Centered(TurboQuantMSE(d, 3))),
+    **_budget_configs(),
+}
+
+CHAPTER_CONFIGS = ("fp32", "mlx-lm affine 4", "uniform 4", "uniform 3", "TQ-mse 4", "TQ-mse 3",
+                   "TQ-mse 2", "TQ-prod 4", "FibQuant 3.5", "K4/V3", "centered TQ-mse 4",
+                   "budget K4/V4", "budget K3/V3")
+
+
+def _dims(model):
+    a = model.args
+    return getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+
+
+def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window: int = 512,
+             chunk: int = 128, agreement_tokens: int = 32, fidelity_tokens: int = 512,
+             needle_contexts: Sequence[int] = (), needle_depths: Sequence[float] = (0.1, 0.5, 0.9),
+             corpus: str = "wikipedia", progress: bool = True) -> dict:
+    """Score each named configuration on the same tokens; returns a JSON-able dict:
+    {"setup": …, "results": {name: {ppl, ppl_increase, bits, measured_bits, agreement,
+    fidelity: [per-layer cos], needle: {context: accuracy}}}}."""
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configuration(s) {unknown}; known: {sorted(CONFIGS)}")
+    text = load_text(corpus)
+    ids = tqeval.encode_text(tokenizer, text, tokens)
+    prompt = ids[:256]
+    captured = tqeval.capture_qkv(model, ids[:fidelity_tokens]) if fidelity_tokens else None
+    hay = tqeval.encode_text(tokenizer, load_text("lee"), max(needle_contexts)) if needle_contexts else None
+    D = _dims(model)
+    results, start = {}, time.time()
+    it = names
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(names, desc="configurations")
+    for name in it:
+        cfg = CONFIGS[name]
+        mk = cfg.make_cache(model)
+        t0 = time.time()
+        r = tqeval.perplexity(model, ids, mk, window=window, chunk=chunk)
+        row = {"family": cfg.family, "note": cfg.note, "bits": cfg.nominal_bits(D),
+               "measured_bits": r["bits"], "ppl": r["ppl"], "nll": r["nll"]}
+        if agreement_tokens and mk is not None:
+            row["agreement"] = tqeval.greedy_agreement(model, prompt, agreement_tokens, mk)
+        elif agreement_tokens:
+            row["agreement"] = 1.0
+        if captured is not None and cfg.key is not None:
+            fid = tqeval.layer_fidelity(captured, cfg.key, cfg.value or cfg.key, sink_tokens=cfg.sink_tokens)
+            row["fidelity_cos"] = [f["cos_mean"] for f in fid]
+        if needle_contexts:
+            n = tqeval.needle_accuracy(model, tokenizer, hay, needle_contexts, needle_depths, mk)
+            row["needle"] = {str(c): a for c, a in n["accuracy"].items()}
+        row["seconds"] = time.time() - t0
+        results[name] = row
+    ref = results.get("fp32", {}).get("ppl")
+    for row in results.values():
+        row["ppl_increase"] = (row["ppl"] / ref - 1) if ref else None
+    return {"setup": {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 → float32)", "corpus": corpus,
+                      "tokens": tokens, "window": window, "chunk": chunk,
+                      "agreement_tokens": agreement_tokens, "fidelity_tokens": fidelity_tokens,
+                      "needle_contexts": list(needle_contexts), "needle_depths": list(needle_depths),
+                      "machine": platform.machine(), "mlx": mx.__version__,
+                      "seconds": time.time() - start},
+            "results": results}
+
+
+def frontier_rows(result: dict) -> list[tuple]:
+    """(name, family, bits, ppl, increase %) sorted by bits, for tables and the frontier plot."""
+    rows = []
+    for name, r in result["results"].items():
+        inc = r.get("ppl_increase")
+        rows.append((name, r["family"], r["bits"], r["ppl"],
+                     float("nan") if inc is None else 100 * inc))
+    return sorted(rows, key=lambda t: (t[2], t[3] if not math.isnan(t[3]) else 0))
