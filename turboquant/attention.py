@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 __all__ = ["reference_attention", "cosine_similarity", "relative_error", "attention_fidelity",
-           "attention_from_codes", "codes_attention"]
+           "attention_from_codes", "codes_attention", "patch_attention"]
 
 
 def _repeat_kv(x: mx.array, n_heads: int) -> mx.array:
@@ -204,19 +204,31 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
 
 
 @contextmanager
+def patch_attention(model, wrap):
+    """Replace ``scaled_dot_product_attention`` by ``wrap(original)`` in every module that
+    defines one of ``model``'s layers (mlx-lm model files import it by name); restored on exit."""
+    import sys
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    originals = {m: m.scaled_dot_product_attention for m in modules
+                 if hasattr(m, "scaled_dot_product_attention")}
+    try:
+        for m, original in originals.items():
+            m.scaled_dot_product_attention = wrap(original)
+        yield model
+    finally:
+        for m, original in originals.items():
+            m.scaled_dot_product_attention = original
+
+
+@contextmanager
 def codes_attention(model):
     """Route an mlx-lm model's attention through ``attention_from_codes`` while TurboQuant
     caches are in use; restored on exit.
 
-    mlx-lm model files import ``scaled_dot_product_attention`` by name, so the attribute
-    of each module that defines one of the model's layers is patched; calls whose keys are
-    not ``CodesView`` (other caches, no cache) go to the original function.
+    Calls whose keys are not ``CodesView`` (other caches, no cache) go to the original
+    function (``patch_attention``).
     """
-    import sys
     from .cache import CodesView, codes_mode
-    modules = {sys.modules[type(m).__module__] for m in model.modules()}
-    modules = [m for m in modules if hasattr(m, "scaled_dot_product_attention")]
-    originals = {m: m.scaled_dot_product_attention for m in modules}
 
     def wrap(original):
         def sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, **kwargs):
@@ -229,10 +241,7 @@ def codes_attention(model):
 
     token = codes_mode.set(True)
     try:
-        for m, original in originals.items():
-            m.scaled_dot_product_attention = wrap(original)
-        yield model
+        with patch_attention(model, wrap):
+            yield model
     finally:
-        for m, original in originals.items():
-            m.scaled_dot_product_attention = original
         codes_mode.reset(token)

@@ -94,6 +94,11 @@ class CodesView:
         return x
 
 
+def _append(old: Optional[mx.array], new: mx.array) -> mx.array:
+    """Concatenate along the token axis (2), ``old`` possibly None."""
+    return new if old is None else mx.concatenate([old, new], axis=2)
+
+
 def _prepare(codec: Codec, x: mx.array) -> Codec:
     if hasattr(codec, "fit") and not getattr(codec, "fitted", True):
         codec.fit(x)
@@ -167,17 +172,15 @@ class TurboQuantKVCache:
         n = self.sink_tokens - prev
         if n <= 0:
             return
-        cat = lambda old, new: new if old is None else mx.concatenate([old, new], axis=2)  # noqa: E731
-        self.sink_keys = cat(self.sink_keys, keys[..., :n, :])
-        self.sink_values = cat(self.sink_values, values[..., :n, :])
+        self.sink_keys = _append(self.sink_keys, keys[..., :n, :])
+        self.sink_values = _append(self.sink_values, values[..., :n, :])
 
     def _update_recent(self, keys, values):
         if not self.fp_window:
             return
         r = self.fp_window
-        cat = lambda old, new: new if old is None else mx.concatenate([old, new], axis=2)
-        self.recent_keys = cat(self.recent_keys, keys)[..., -r:, :]
-        self.recent_values = cat(self.recent_values, values)[..., -r:, :]
+        self.recent_keys = _append(self.recent_keys, keys)[..., -r:, :]
+        self.recent_values = _append(self.recent_values, values)[..., -r:, :]
 
     def _fetch(self, kbuf: CodeBuffer, vbuf: CodeBuffer):
         k = CodesView(self.key_codec, kbuf, self.dtype, self.recent_keys, self.sink_keys)

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import math
 import sys
-from contextlib import contextmanager
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import attention_fidelity
+from .attention import attention_fidelity, patch_attention
 
 __all__ = ["encode_text", "perplexity", "cache_bits", "capture_qkv", "layer_fidelity",
            "needle_prompt", "needle_accuracy", "top1_agreement", "greedy_agreement", "mean_cosine",
@@ -76,6 +75,17 @@ def _prefill_logits(model, tokens: mx.array, cache, chunk: int) -> mx.array:
     return mx.concatenate(out, axis=1)
 
 
+def _greedy(model, ids: mx.array, cache, n_tokens: int, chunk: int) -> list[int]:
+    """Prefill ``ids`` (1, P) through ``cache`` in chunks, then ``n_tokens`` greedy tokens."""
+    logits = _prefill_logits(model, ids, cache, chunk)[:, -1]
+    out = []
+    for _ in range(n_tokens):
+        t = logits.argmax(-1)
+        out.append(t.item())
+        logits = model(t[:, None], cache=cache)[:, -1]
+    return out
+
+
 def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, window: int = 512,
                chunk: int = 128, progress: bool = False) -> dict:
     """Perplexity of ``tokens`` scored in consecutive windows of ``window`` tokens, each
@@ -113,26 +123,14 @@ def cache_bits(model, cache) -> float:
     return 8 * sum(c.nbytes for c in cache) / coords if coords else float("nan")
 
 
-@contextmanager
 def _recording(model, record: list):
     """Record (queries, keys, values, scale) at every attention call of ``model``."""
-    modules = {sys.modules[type(m).__module__] for m in model.modules()}
-    modules = [m for m in modules if hasattr(m, "scaled_dot_product_attention")]
-    originals = {m: m.scaled_dot_product_attention for m in modules}
-
     def wrap(original):
         def sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, **kwargs):
             record.append((queries, keys, values, scale))
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
         return sdpa
-
-    try:
-        for m, original in originals.items():
-            m.scaled_dot_product_attention = wrap(original)
-        yield
-    finally:
-        for m, original in originals.items():
-            m.scaled_dot_product_attention = original
+    return patch_attention(model, wrap)
 
 
 def capture_qkv(model, tokens: Sequence[int]) -> list[dict]:
@@ -210,14 +208,7 @@ def needle_accuracy(model, tokenizer, haystack_ids: Sequence[int], contexts: Seq
     jobs = [(c, d, v) for c in contexts for d in depths for v in values]
     for c, d, v in _progress(jobs, len(jobs), "needle", progress):
         ids = mx.array(needle_prompt(tokenizer, haystack_ids, c, d, v))[None]
-        cache = _fresh(model, make_cache)
-        logits = _prefill_logits(model, ids, cache, chunk)[:, -1]
-        out = []
-        for _ in range(max_tokens):
-            t = logits.argmax(-1)
-            out.append(t.item())
-            logits = model(t[:, None], cache=cache)[:, -1]
-        text = tokenizer.decode(out)
+        text = tokenizer.decode(_greedy(model, ids, _fresh(model, make_cache), max_tokens, chunk))
         trials.append({"context": c, "depth": d, "value": v, "answer": text, "ok": v in text})
     for c in contexts:
         ok = [t["ok"] for t in trials if t["context"] == c]
@@ -252,14 +243,8 @@ def greedy_agreement(model, prompt: Sequence[int], n_tokens: int, make_cache, ch
     full-precision continuation is generated once, then teacher-forced through both caches
     (``top1_agreement``)."""
     from mlx_lm.models.cache import make_prompt_cache
-    ref = make_prompt_cache(model)
     p = mx.array(list(prompt))[None]
-    logits = _prefill_logits(model, p, ref, chunk)[:, -1]
-    cont = []
-    for _ in range(n_tokens):
-        t = logits.argmax(-1)
-        cont.append(t.item())
-        logits = model(t[:, None], cache=ref)[:, -1]
+    cont = _greedy(model, p, make_prompt_cache(model), n_tokens, chunk)
     return top1_agreement(model, p, mx.array(cont)[None], make_cache)
 
 
