@@ -10,6 +10,8 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
+from . import kernels
+
 __all__ = ["reference_attention", "cosine_similarity", "relative_error", "attention_fidelity",
            "attention_from_codes", "codes_attention", "patch_attention"]
 
@@ -139,7 +141,9 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     looked up per block; scalar codes with b ∈ {1, 2, 4, 8}: the same idea per stored byte;
     other scalar codes: gathered centroids), the softmax weights times the
     value norms sum the value codewords in the rotated frame, and one inverse rotation
-    ends it. Other codecs are dequantized first. Full-precision recent tokens are used as
+    ends it. With a GPU back-end (``turboquant.kernels``) the scores and the value sums of
+    TurboQuant_mse and FibQuant codes come from fused kernels that read the packed bytes.
+    Other codecs are dequantized first. Full-precision recent tokens are used as
     such, and so are sink tokens (the first S). A ``Centered`` codec's mean enters exactly: q·μ added to the coded scores, and
     μ times the softmax mass on coded tokens added to the output. Equal to dequantize-then-attend up to float rounding.
     """
@@ -153,10 +157,14 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     T = keys.shape[2]
     s, r = keys.exact_spans()
 
+    kern = kernels.active()
     kc, code = _unwrap(keys)
+    kspec = kernels.spec_for(kc) if kern is not None else None
     if _rotated(kc):
         qr = kc.rotation.apply(qf)
-        if hasattr(kc, "codewords"):
+        if kspec is not None:                                 # fused: scores from the packed bytes
+            unit = kernels.unit_scores(kern, kspec, qr, code["idx"])
+        elif hasattr(kc, "codewords"):
             unit = _score_table(qr, kc, code)
         elif getattr(kc, "bits", None) in (1, 2, 4, 8) and hasattr(kc, "centroids"):
             unit = _byte_table_scores(qr, kc, code)
@@ -186,7 +194,14 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     vc, code = _unwrap(values)
     sv, rv = values.exact_spans()
     pc = p[..., sv:T - rv]                                    # weights of the coded tokens
-    if _rotated(vc):
+    vspec = kernels.spec_for(vc) if kern is not None else None
+    if vspec is not None:                                     # fused: Σ w_t c[i_t] from the packed bytes
+        w = pc * mx.swapaxes(code["norm"].astype(mx.float32), -1, -2)[:, :, None][..., sv:T - rv]
+        if sv or rv:                                          # exact tokens weigh nothing here
+            zeros = lambda n: mx.zeros((*w.shape[:-1], n), w.dtype)  # noqa: E731
+            w = mx.concatenate(([zeros(sv)] if sv else []) + [w] + ([zeros(rv)] if rv else []), axis=-1)
+        out = vc.rotation.invert(kernels.rotated_values(kern, vspec, w, code["idx"]))
+    elif _rotated(vc):
         w = pc * mx.swapaxes(code["norm"].astype(mx.float32), -1, -2)[:, :, None][..., sv:T - rv]
         units = vc.decode_rotated(code)[..., sv:T - rv, :]
         out = vc.rotation.invert(w @ units[:, :, None])

@@ -16,7 +16,7 @@ from typing import ClassVar, Mapping
 import mlx.core as mx
 
 __all__ = ["Code", "Codec", "register", "from_config", "CODECS", "check_input", "split_norm",
-           "FP16_MAX"]
+           "FP16_MAX", "check_norms", "fused_encode"]
 
 FP16_MAX = 65504.0
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
@@ -75,12 +75,8 @@ def check_input(x, dim: int, finite: bool = True) -> mx.array:
     return x
 
 
-def split_norm(x: mx.array) -> tuple[mx.array, mx.array]:
-    """x (..., D) float32 → (norm (..., 1) float32, unit direction (..., D)); zero stays zero.
-
-    The norm is stored in fp16; a norm above fp16's range is refused, not saturated.
-    """
-    norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
+def check_norms(norm: mx.array) -> None:
+    """Refuse NaN/Inf input (it makes a norm non-finite) and norms beyond fp16's range."""
     if norm.size:
         # one sync for both checks: NaN or Inf anywhere in x makes the sum non-finite
         total, largest = mx.stack([mx.sum(norm), mx.max(norm)]).tolist()
@@ -89,7 +85,31 @@ def split_norm(x: mx.array) -> tuple[mx.array, mx.array]:
         if largest > FP16_MAX:
             raise ValueError(f"a vector norm of {largest:.4g} exceeds fp16's range "
                              f"({FP16_MAX}); scale the input down")
+
+
+def split_norm(x: mx.array) -> tuple[mx.array, mx.array]:
+    """x (..., D) float32 → (norm (..., 1) float32, unit direction (..., D)); zero stays zero.
+
+    The norm is stored in fp16; a norm above fp16's range is refused, not saturated.
+    """
+    norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
+    check_norms(norm)
     return norm, x / mx.where(norm > 0, norm, 1.0)
+
+
+def fused_encode(codec, x: mx.array):
+    """Code fields {"idx", "norm"} from the fused encode kernel when a kernel back-end is
+    active (``turboquant.kernels``) and knows ``codec``; None otherwise (use the mx path)."""
+    from .. import kernels
+    kern = kernels.active()
+    if kern is None or x.size == 0:
+        return None
+    spec = kernels.spec_for(codec)
+    if spec is None:
+        return None
+    idx, norm = kernels.encode(kern, spec, x)
+    check_norms(norm)
+    return {"idx": idx, "norm": norm.astype(mx.float16)}
 
 
 class Codec:

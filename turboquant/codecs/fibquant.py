@@ -33,7 +33,7 @@ from ..lloyd import kmeans, kmeans_pp, nearest
 from ..packing import MAX_PACK_BITS, index_bits, pack, packed_bytes, unpack
 from ..rotation import Rotation
 from ..sphere import sample_block
-from .base import Code, Codec, check_input, register, split_norm
+from .base import Code, Codec, check_input, fused_encode, register, split_norm
 
 __all__ = ["FibQuant", "VectorCodebook", "fibquant_codebook", "spiral_codebook",
            "companded_radii", "CODEBOOK_VERSION"]
@@ -242,6 +242,9 @@ class FibQuant(Codec):
     def encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim, finite=False)
+        fused = fused_encode(self, x)
+        if fused is not None:
+            return Code(fused, tuple(x.shape[:-1]), dtype, self.config())
         norm, u = split_norm(x)
         idx = self.quantize_rotated(self.rotation.apply(u))
         return Code({"idx": pack(idx, self.index_bits), "norm": norm.astype(mx.float16)},

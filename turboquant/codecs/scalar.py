@@ -16,7 +16,7 @@ import mlx.core as mx
 from ..lloyd import MAX_BITS, beta_codebook, gaussian_codebook
 from ..packing import pack, packed_bytes, unpack
 from ..rotation import Rotation
-from .base import Code, Codec, check_input, register, split_norm
+from .base import Code, Codec, check_input, fused_encode, register, split_norm
 
 __all__ = ["TurboQuantMSE", "bucketize"]
 
@@ -106,6 +106,9 @@ class TurboQuantMSE(Codec):
     def encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim, finite=False)
+        fused = fused_encode(self, x)
+        if fused is not None:
+            return Code(fused, tuple(x.shape[:-1]), dtype, self.config())
         norm, u = split_norm(x)
         return Code({"idx": self._encode_core(u), "norm": norm.astype(mx.float16)},
                     tuple(x.shape[:-1]), dtype, self.config())

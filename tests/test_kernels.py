@@ -1,0 +1,201 @@
+"""Fused kernels: the shared bodies checked against the mx reference.
+
+On this CPU the bodies run through the C++ emulation (``kernels.emulated()``: the same
+text compiled with g++); the CUDA translation unit is compiled with nvcc when one is
+installed; the real Metal/CUDA kernels are compared with the reference only where mlx has
+a GPU back-end (skipped otherwise).
+"""
+import os
+import shutil
+import subprocess
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turboquant import kernels
+from turboquant.attention import attention_from_codes, codes_attention
+from turboquant.bitaxon import SMALL, QuantizedSWACache, SWAttention, full_sequence_attention
+from turboquant.cache import TurboQuantKVCache, codes_mode
+from turboquant.codecs import Centered, FibQuant, PolarQuant, TurboQuantMSE
+from turboquant.kernels import emulate, source
+from turboquant.models import run_in_chunks, tiny_model
+
+needs_cxx = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler for the kernel emulation")
+
+CODECS = {
+    "mse1": lambda: TurboQuantMSE(64, 1), "mse3": lambda: TurboQuantMSE(128, 3),
+    "mse4": lambda: TurboQuantMSE(128, 4), "mse5-haar": lambda: TurboQuantMSE(96, 5, rotation="haar"),
+    "mse8": lambda: TurboQuantMSE(64, 8), "mse3-d80": lambda: TurboQuantMSE(80, 3),
+    "fib2.5": lambda: FibQuant(64, k=2, bits=2.5), "fib-k4": lambda: FibQuant(80, k=4, n_codewords=300),
+}
+
+
+@pytest.fixture(scope="module")
+def emu():
+    if emulate.compiler() is None:
+        pytest.skip("no C++ compiler for the kernel emulation")
+    return kernels.emulated()
+
+
+def vectors(shape, seed=0):
+    x = mx.random.normal(shape, key=mx.random.key(seed)) * mx.linspace(0.2, 3.0, shape[-1])
+    return x.at[..., 0, :].multiply(0.0)                      # a zero vector in every row
+
+
+def test_no_kernel_back_end_on_a_cpu_build_and_the_switch():
+    if mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        pytest.skip("this machine has a GPU back-end")
+    assert kernels.gpu_backend() is None and kernels.active() is None and kernels.backend_name() == "mx"
+    assert kernels.spec_for(PolarQuant(64)) is None and kernels.spec_for(TurboQuantMSE(64, 2)) is not None
+
+
+def test_switch_off_by_environment(monkeypatch, emu):
+    monkeypatch.setenv("TURBOQUANT_KERNELS", "0")
+    assert kernels.active() is None
+    with kernels.use(emu):
+        assert kernels.active() is emu and kernels.backend_name() == "cpp-emulation"
+    assert kernels.active() is None
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", list(CODECS))
+def test_encode_kernel_equals_reference(emu, name):
+    codec = CODECS[name]()
+    x = vectors((2, 3, 40, codec.dim))
+    with kernels.use(None):
+        ref = codec.encode(x)
+    with kernels.use(emu):
+        got = codec.encode(x)
+    same = np.mean(np.array(got["idx"]) == np.array(ref["idx"]))
+    # summation order differs from the mx path, so a coordinate within float rounding of a
+    # threshold may fall the other way; none did in these draws
+    assert same >= 0.999, same
+    assert np.array_equal(np.array(got["norm"]), np.array(ref["norm"]))
+    assert got["idx"].dtype == mx.uint8 and got["idx"].shape == ref["idx"].shape
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", list(CODECS))
+def test_score_and_value_kernels_equal_reference(emu, name):
+    codec = CODECS[name]()
+    code = codec.encode(vectors((2, 2, 70, codec.dim), seed=1))
+    spec = kernels.spec_for(codec)
+    q = mx.random.normal((2, 2, 3, 2, codec.dim), key=mx.random.key(2))      # (B, Hk, R, Tq, D)
+    units = codec.decode_rotated(code)                                        # (B, Hk, T, D)
+    ref = q @ mx.swapaxes(units, -1, -2)[:, :, None]
+    got = kernels.unit_scores(emu, spec, q, code["idx"])
+    assert mx.abs(got - ref).max().item() < 1e-5
+    w = mx.softmax(mx.random.normal((2, 2, 3, 2, 70), key=mx.random.key(3)), axis=-1)
+    got = kernels.rotated_values(emu, spec, w, code["idx"])
+    assert mx.abs(got - w @ units[:, :, None]).max().item() < 1e-6
+
+
+@needs_cxx
+@pytest.mark.parametrize("sink,window,centered", [(0, 0, False), (1, 4, True), (2, 0, False)])
+@pytest.mark.parametrize("tq", [1, 3])
+def test_attention_from_codes_through_kernels_equals_mx_path(emu, sink, window, centered, tq):
+    D = 64
+    kc = TurboQuantMSE(D, 3)
+    kc = Centered(kc) if centered else kc
+    cache = TurboQuantKVCache(kc, FibQuant(D, k=2, bits=2), fp_window=window, sink_tokens=sink)
+    keys, values = vectors((1, 2, 50, D), 4), vectors((1, 2, 50, D), 5)
+    token = codes_mode.set(True)
+    try:
+        kv, vv = cache.update_and_fetch(keys, values)
+    finally:
+        codes_mode.reset(token)
+    q = mx.random.normal((1, 4, tq, D), key=mx.random.key(6))
+    with kernels.use(None):
+        ref = attention_from_codes(q, kv, vv, mask="causal" if tq > 1 else None)
+    with kernels.use(emu):
+        got = attention_from_codes(q, kv, vv, mask="causal" if tq > 1 else None)
+    assert mx.abs(got - ref).max().item() < 1e-5
+
+
+@needs_cxx
+def test_generation_through_kernels_matches_mx_path(emu):
+    model = tiny_model("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+    toks = mx.random.randint(1, 256, (1, 90), key=mx.random.key(7))
+    outs = []
+    for backend in (None, emu):
+        with kernels.use(backend), codes_attention(model):
+            cache = [TurboQuantKVCache(TurboQuantMSE(16, 4), TurboQuantMSE(16, 3)) for _ in model.layers]
+            outs.append(run_in_chunks(model, toks, cache, [60] + [1] * 30))
+    assert mx.abs(outs[0] - outs[1]).max().item() < 1e-4
+
+
+@needs_cxx
+def test_bitaxon_ring_through_kernels_matches_mx_path(emu):
+    layer = SWAttention(SMALL)
+    x = mx.random.normal((1, 100, SMALL.hidden), key=mx.random.key(8))
+    outs = []
+    for backend in (None, emu):
+        with kernels.use(backend):
+            cache = QuantizedSWACache(SMALL.window, TurboQuantMSE(SMALL.head_dim, 4))
+            outs.append(mx.concatenate([layer(x[:, :70], cache)] + [layer(x[:, i:i + 1], cache) for i in range(70, 100)], 1))
+    assert mx.abs(outs[0] - outs[1]).max().item() < 1e-5
+    exact = full_sequence_attention(layer, x)
+    cos = mx.sum(outs[1] * exact, -1) / (mx.linalg.norm(outs[1], axis=-1) * mx.linalg.norm(exact, axis=-1))
+    assert mx.min(cos).item() > 0.95
+
+
+@needs_cxx
+def test_bad_input_is_refused_on_the_kernel_path(emu):
+    codec = TurboQuantMSE(64, 4)
+    with kernels.use(emu):
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            codec.encode(mx.full((2, 64), mx.nan))
+        with pytest.raises(ValueError, match="fp16"):
+            codec.encode(mx.full((2, 64), 1e5))
+        with pytest.raises(ValueError, match="last dimension"):
+            codec.encode(mx.zeros((2, 63)))
+
+
+@needs_cxx
+def test_emulation_compiles_without_warnings(emu):
+    codec = FibQuant(64, k=2, bits=2.5)
+    for op, t in (("encode", {"D": 64, "K": 2, "N": 32, "IB": 5, "NB": 20}),
+                  ("scores", {"D": 64, "K": 2, "IB": 5, "NB": 20, "RT": 2}),
+                  ("values", {"D": 64, "K": 2, "IB": 5, "NB": 20, "RT": 2})):
+        fresh = emulate.CppKernels()
+        src = emulate.cpp_source(op, t)
+        assert source.BODIES[op] in src                      # the very text the GPU kernels run
+        fresh.library(op, t)
+    assert all(not w.strip() for w in fresh.warnings.values()), fresh.warnings
+    assert kernels.spec_for(codec).NB == 20
+
+
+# a small stand-in for mlx's device header: the bodies only need fixed-width integers
+_STAND_IN = "#include <cstdint>\n#include <cuda/std/limits>"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("op", list(source.BODIES))
+def test_cuda_translation_unit_compiles_with_nvcc(tmp_path, op):
+    t = {"D": 80, "K": 2, "N": 300, "IB": 9, "NB": 45, "RT": 4}
+    cu = tmp_path / f"{op}.cu"
+    cu.write_text(source.cuda_translation_unit(op, t, name=f"custom_kernel_turboquant_{op}",
+                                               mlx_header=_STAND_IN))
+    arch = os.environ.get("TURBOQUANT_CUDA_ARCH", "sm_90")
+    proc = subprocess.run(["nvcc", "-std=c++17", f"-arch={arch}", "-Werror", "all-warnings", "-c", str(cu),
+                           "-o", str(tmp_path / f"{op}.o")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(kernels.gpu_backend() is None, reason="mlx has no GPU back-end here")
+@pytest.mark.parametrize("name", list(CODECS))
+def test_gpu_kernels_equal_reference(name):
+    codec = CODECS[name]()
+    x = vectors((2, 3, 40, codec.dim))
+    with kernels.use(None):
+        ref = codec.encode(x)
+    got = codec.encode(x)                                     # automatic: the GPU kernels
+    assert np.mean(np.array(got["idx"]) == np.array(ref["idx"])) >= 0.999
+    q = mx.random.normal((1, 3, 2, 1, codec.dim), key=mx.random.key(2))
+    spec, be = kernels.spec_for(codec), kernels.gpu_backend()
+    units = codec.decode_rotated(ref)[:1]
+    s = kernels.unit_scores(be, spec, q, ref["idx"][:1])
+    assert mx.abs(s - q @ mx.swapaxes(units, -1, -2)[:, :, None]).max().item() < 1e-4
+    w = mx.softmax(s, axis=-1)
+    assert mx.abs(kernels.rotated_values(be, spec, w, ref["idx"][:1]) - w @ units[:, :, None]).max().item() < 1e-5

@@ -1,0 +1,182 @@
+"""Fused kernels for encode and for decode attention from packed codes (Chapter 7).
+
+The mx-operations path in ``turboquant.codecs`` and ``turboquant.attention`` is the
+reference and what runs on a CPU. When mlx has a GPU back-end, the same three kernel
+bodies (``turboquant.kernels.source``) run as ``mx.fast.metal_kernel`` (Apple GPUs) or
+``mx.fast.cuda_kernel`` (NVIDIA), chosen automatically: ``TurboQuantMSE`` and ``FibQuant``
+encode through ``encode``, and ``attention_from_codes`` takes its scores and value sums
+from ``scores``/``values`` (the passes over all T·D codes) for those codecs.
+
+``TURBOQUANT_KERNELS=0`` turns the automatic choice off; ``use(backend)`` forces one
+(``use(None)``: the mx path; ``use(emulated())``: the kernel bodies compiled as C++ for this
+CPU, which is how the tests check them here).
+
+What was verified where is stated in ``VERIFIED`` and in Chapter 7.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from . import source
+
+__all__ = ["KernelSpec", "spec_for", "backend_name", "active", "use", "emulated", "gpu_backend",
+           "encode", "unit_scores", "rotated_values", "VERIFIED"]
+
+VERIFIED = {
+    "cpp-emulation": "the three kernel bodies compiled with g++ and run on this CPU, compared "
+                     "with the mx reference (tests/test_kernels.py, Chapter 7)",
+    "cuda": "the CUDA translation unit in mlx 0.32's generated layout compiled with nvcc 13 "
+            "(a stand-in for mlx's device header; tests/test_kernels.py); not run: no NVIDIA "
+            "GPU was available to this project",
+    "metal": "not compiled and not run: no Apple GPU or Metal compiler was available",
+}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What the kernels need to know about a codec: block size K, codebook size N, index bits
+    IB, packed bytes NB per vector, and the (N·K,) table, (N−1,) thresholds, (N,) squared
+    norms and (D, D) rotation Π as float32 mx arrays."""
+
+    D: int
+    K: int
+    N: int
+    IB: int
+    NB: int
+    table: mx.array
+    bounds: mx.array
+    c2: mx.array
+    rot: mx.array
+
+
+def spec_for(codec) -> KernelSpec | None:
+    """A ``KernelSpec`` for TurboQuant_mse and FibQuant codecs, None for any other codec."""
+    from ..codecs.fibquant import FibQuant
+    from ..codecs.scalar import TurboQuantMSE
+    from ..packing import packed_bytes
+    if type(codec) not in (TurboQuantMSE, FibQuant):
+        return None
+    cached = getattr(codec, "_kernel_spec", None)
+    if cached is not None:
+        return cached
+    rot = mx.array(codec.rotation.matrix().astype(np.float32))
+    if isinstance(codec, TurboQuantMSE):
+        table = codec.centroids
+        spec = KernelSpec(codec.dim, 1, table.shape[0], codec.bits, packed_bytes(codec.dim, codec.bits),
+                          table, codec.thresholds, table * table, rot)
+    else:
+        k, n = codec.k, codec.n_codewords
+        spec = KernelSpec(codec.dim, k, n, codec.index_bits,
+                          packed_bytes(codec.dim // k, codec.index_bits), codec.codewords.reshape(-1),
+                          mx.zeros((1,), mx.float32), codec._c2, rot)
+    codec._kernel_spec = spec
+    return spec
+
+
+# --------------------------------------------------------------------------- back-ends
+class _MxKernels:
+    """The bodies as ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` objects."""
+
+    def __init__(self, kind: str):
+        self.name = kind
+        make = mx.fast.metal_kernel if kind == "metal" else mx.fast.cuda_kernel
+        prelude = source.METAL_PRELUDE if kind == "metal" else source.CUDA_PRELUDE
+        self._kernels = {op: make(name=f"turboquant_{op}", input_names=source.INPUTS[op],
+                                  output_names=source.OUTPUTS[op],
+                                  source=source.THREAD_INDEX[kind] + source.BODIES[op], header=prelude)
+                         for op in source.BODIES}
+
+    def run(self, op, inputs, template, threads, out_shapes, out_dtypes):
+        outs = self._kernels[op](inputs=inputs, template=[(k, int(template[k])) for k in source.TEMPLATES[op]],
+                                 grid=(max(threads, 1), 1, 1), threadgroup=(min(256, max(threads, 1)), 1, 1),
+                                 output_shapes=out_shapes, output_dtypes=out_dtypes)
+        return list(outs)
+
+
+@lru_cache(maxsize=1)
+def gpu_backend():
+    """The GPU back-end mlx has here ("metal" or "cuda" kernels), or None on a CPU-only build."""
+    if mx.metal.is_available():
+        return _MxKernels("metal")
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return _MxKernels("cuda")
+    return None
+
+
+def emulated():
+    """The kernel bodies compiled as C++ for this CPU (needs a C++ compiler): for tests."""
+    from .emulate import CppKernels
+    return CppKernels()
+
+
+_forced = []          # stack of backends set by use(); empty: automatic choice
+
+
+def active():
+    """The back-end the package uses now: a forced one (``use``), else the GPU's unless
+    ``TURBOQUANT_KERNELS=0``; None means the mx-operations path."""
+    if _forced:
+        return _forced[-1]
+    if os.environ.get("TURBOQUANT_KERNELS", "1") == "0":
+        return None
+    return gpu_backend()
+
+
+def backend_name() -> str:
+    """"metal", "cuda", "cpp-emulation" or "mx" (no kernels)."""
+    b = active()
+    return "mx" if b is None else b.name
+
+
+@contextmanager
+def use(backend):
+    """Force a back-end inside the block: ``use(None)`` for the mx path, ``use(emulated())``."""
+    _forced.append(backend)
+    try:
+        yield backend
+    finally:
+        _forced.pop()
+
+
+# --------------------------------------------------------------------------- operations
+def encode(backend, spec: KernelSpec, x: mx.array) -> tuple[mx.array, mx.array]:
+    """x (..., D) float32 → packed indices (..., NB) uint8 and norms (..., 1) float32."""
+    lead = x.shape[:-1]
+    rows = int(np.prod(lead)) if lead else 1
+    t = {"D": spec.D, "K": spec.K, "N": spec.N, "IB": spec.IB, "NB": spec.NB}
+    meta = mx.array([rows], dtype=mx.int32)
+    idx, norm = backend.run("encode", [x.reshape(rows, spec.D), spec.rot, spec.bounds, spec.table, spec.c2, meta],
+                            t, rows, [(rows, spec.NB), (rows,)], [mx.uint8, mx.float32])
+    return idx.reshape(*lead, spec.NB), norm.reshape(*lead, 1)
+
+
+def unit_scores(backend, spec: KernelSpec, q_rot: mx.array, idx: mx.array) -> mx.array:
+    """⟨q_rot, c[i_t]⟩ for every query and coded token: q_rot (B, H_kv, R, Tq, D) float32,
+    idx (B, H_kv, T, NB) uint8 → (B, H_kv, R, Tq, T) float32."""
+    B, Hk, R, Tq, D = q_rot.shape
+    T = idx.shape[2]
+    rows = B * Hk * R * Tq
+    t = {"D": D, "K": spec.K, "IB": spec.IB, "NB": spec.NB, "RT": R * Tq}
+    meta = mx.array([rows * T, T], dtype=mx.int32)
+    (s,) = backend.run("scores", [q_rot.astype(mx.float32).reshape(rows, D), idx.reshape(B * Hk * T, spec.NB),
+                                  spec.table, meta], t, rows * T, [(rows, T)], [mx.float32])
+    return s.reshape(B, Hk, R, Tq, T)
+
+
+def rotated_values(backend, spec: KernelSpec, w: mx.array, idx: mx.array) -> mx.array:
+    """Σ_t w_t c[i_t] in the rotated frame: w (B, H_kv, R, Tq, T) float32, idx
+    (B, H_kv, T, NB) uint8 → (B, H_kv, R, Tq, D) float32."""
+    B, Hk, R, Tq, T = w.shape
+    rows = B * Hk * R * Tq
+    t = {"D": spec.D, "K": spec.K, "IB": spec.IB, "NB": spec.NB, "RT": R * Tq}
+    meta = mx.array([rows * spec.D, T], dtype=mx.int32)
+    (o,) = backend.run("values", [w.astype(mx.float32).reshape(rows, T), idx.reshape(B * Hk * T, spec.NB),
+                                  spec.table, meta], t, rows * spec.D, [(rows, spec.D)], [mx.float32])
+    return o.reshape(B, Hk, R, Tq, spec.D)
