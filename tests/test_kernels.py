@@ -199,3 +199,10 @@ def test_gpu_kernels_equal_reference(name):
     assert mx.abs(s - q @ mx.swapaxes(units, -1, -2)[:, :, None]).max().item() < 1e-4
     w = mx.softmax(s, axis=-1)
     assert mx.abs(kernels.rotated_values(be, spec, w, ref["idx"][:1]) - w @ units[:, :, None]).max().item() < 1e-5
+
+
+def test_launch_size_limits():
+    spec = kernels.spec_for(TurboQuantMSE(128, 4))
+    assert kernels.fits(spec, 32, 8, 16384)
+    assert not kernels.fits(spec, 2 ** 20, 8, 4096)          # 2^32 score threads
+    assert not kernels.fits(spec, 8, 2 ** 16, 2 ** 12)       # 16 GiB of codes in one launch

@@ -160,6 +160,8 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     kern = kernels.active()
     kc, code = _unwrap(keys)
     kspec = kernels.spec_for(kc) if kern is not None else None
+    if kspec is not None and not kernels.fits(kspec, B * H * Tq, B * Hk, T):
+        kspec = None
     if _rotated(kc):
         qr = kc.rotation.apply(qf)
         if kspec is not None:                                 # fused: scores from the packed bytes
@@ -195,6 +197,8 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     sv, rv = values.exact_spans()
     pc = p[..., sv:T - rv]                                    # weights of the coded tokens
     vspec = kernels.spec_for(vc) if kern is not None else None
+    if vspec is not None and not kernels.fits(vspec, B * H * Tq, B * Hk, T):
+        vspec = None
     if vspec is not None:                                     # fused: Σ w_t c[i_t] from the packed bytes
         w = pc * mx.swapaxes(code["norm"].astype(mx.float32), -1, -2)[:, :, None][..., sv:T - rv]
         if sv or rv:                                          # exact tokens weigh nothing here

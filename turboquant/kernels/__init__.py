@@ -26,7 +26,7 @@ import numpy as np
 from . import source
 
 __all__ = ["KernelSpec", "spec_for", "backend_name", "active", "use", "emulated", "gpu_backend",
-           "encode", "unit_scores", "rotated_values", "VERIFIED"]
+           "fits", "encode", "unit_scores", "rotated_values", "VERIFIED"]
 
 VERIFIED = {
     "cpp-emulation": "the three kernel bodies compiled with g++ and run on this CPU, compared "
@@ -146,10 +146,22 @@ def use(backend):
 
 
 # --------------------------------------------------------------------------- operations
+_INT_MAX = 2 ** 31 - 1
+
+
+def fits(spec: KernelSpec, q_rows: int, kv_rows: int, T: int) -> bool:
+    """True when every index the score/value kernels form fits their int32 arithmetic
+    (threads q_rows·max(T, D), code bytes kv_rows·T·NB); otherwise use the mx path."""
+    return q_rows * max(T, spec.D) <= _INT_MAX and kv_rows * T * spec.NB <= _INT_MAX
+
+
 def encode(backend, spec: KernelSpec, x: mx.array) -> tuple[mx.array, mx.array]:
     """x (..., D) float32 → packed indices (..., NB) uint8 and norms (..., 1) float32."""
     lead = x.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
+    if rows * max(spec.D, spec.NB) > _INT_MAX:
+        raise ValueError(f"{rows} vectors are too many for one encode launch (int32 indices); "
+                         "encode in chunks")
     t = {"D": spec.D, "K": spec.K, "N": spec.N, "IB": spec.IB, "NB": spec.NB}
     meta = mx.array([rows], dtype=mx.int32)
     idx, norm = backend.run("encode", [x.reshape(rows, spec.D), spec.rot, spec.bounds, spec.table, spec.c2, meta],

@@ -36,8 +36,7 @@ from __future__ import annotations
 __all__ = ["BODIES", "INPUTS", "OUTPUTS", "TEMPLATES", "METAL_PRELUDE", "CUDA_PRELUDE",
            "CPP_PRELUDE", "THREAD_INDEX", "cuda_translation_unit"]
 
-_READ_CODE = """
-    {
+_READ_CODE = """    {
       const int bit = j * IB;
       const int at = base + (bit >> 3);
       const int sh = bit & 7;
@@ -107,8 +106,7 @@ SCORES = """
   float s = 0.0f;
   for (int j = 0; j < D / K; ++j) {
     uint32_t code = 0u;
-""" + _READ_CODE + """
-    for (int c = 0; c < K; ++c) s += q[qb + j * K + c] * table[code * K + c];
+""" + _READ_CODE + """    for (int c = 0; c < K; ++c) s += q[qb + j * K + c] * table[code * K + c];
   }
   scores[tq_gid] = s;
 """
@@ -126,8 +124,7 @@ VALUES = """
   for (int t = 0; t < T; ++t) {
     const int base = (kvrow * T + t) * NB;
     uint32_t code = 0u;
-""" + _READ_CODE + """
-    acc += w[qrow * T + t] * table[code * K + c];
+""" + _READ_CODE + """    acc += w[qrow * T + t] * table[code * K + c];
   }
   out[tq_gid] = acc;
 """
