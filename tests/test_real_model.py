@@ -107,3 +107,17 @@ def test_cache_bits_counts_every_byte(smol):
     cache = make_prompt_cache(model, key_codec=lambda d: TurboQuantMSE(d, 3))
     model(mx.array([list(range(100, 356))]), cache=cache)
     assert cache_bits(model, cache) == 3.25
+
+
+def test_bitaxon_ring_on_real_keys(smol, wiki):
+    """Chapter 8's measurement, smaller: a prefill of 4 windows through the ring of codes."""
+    from turboquant.bitaxon import ring_fidelity
+    cap = capture_qkv(smol[0], wiki[:512])[::6]                       # 5 of the 30 layers
+    exact = ring_fidelity(cap, lambda d: Identity(d), window=128, chunk=64)
+    assert all(f["rel_error"] < 1e-5 for f in exact)                  # pass-through ring = exact window
+    cos = {b: np.mean([f["cos_mean"] for f in ring_fidelity(cap, lambda d: TurboQuantMSE(d, b), 128, 64)])
+           for b in (4, 3, 2)}
+    assert 0.98 < cos[4] < 1 and cos[4] > cos[3] > cos[2] > 0.8, cos
+    keys_only = ring_fidelity(cap, lambda d: TurboQuantMSE(d, 3), 128, 64, value_codec=lambda d: Identity(d))
+    values_only = ring_fidelity(cap, lambda d: Identity(d), 128, 64, value_codec=lambda d: TurboQuantMSE(d, 3))
+    assert np.mean([f["cos_mean"] for f in keys_only]) < np.mean([f["cos_mean"] for f in values_only])

@@ -26,14 +26,14 @@ from typing import Callable, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import attention_from_codes
+from .attention import attention_from_codes, reference_attention
 from .cache import CodeBuffer, CodesView
 from .codecs.base import Codec
 from .codecs.fibquant import FibQuant
 from .codecs.scalar import TurboQuantMSE
 
 __all__ = ["SWAConfig", "BIT_AXON", "SMALL", "KVCache", "SWAttention", "QuantizedSWACache", "TurboQuant",
-           "full_sequence_attention", "upstream_trimmed_prefill"]
+           "full_sequence_attention", "upstream_trimmed_prefill", "window_attention", "ring_fidelity"]
 
 
 @dataclass(frozen=True)
@@ -182,29 +182,59 @@ class SWAttention(nn.Module):
         B, T, _ = x.shape
         c = self.config
         q, k, v = self.project(x)
-        n_prev = 0 if cache is None or cache.k is None else cache.k.shape[2]
-        start = 0 if cache is None else cache.offset
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        k_pos = mx.arange(start - n_prev, start + T)
-        scale = 1 / math.sqrt(c.head_dim)
-        outs = []
-        for s in range(0, T, c.chunk):                                   # query chunks
-            e = min(T, s + c.chunk)
-            q_pos = mx.arange(start + s, start + e)
-            lo = max(0, (start + s - c.window + 1) - (start - n_prev))  # first key any query here sees
-            hi = (start + e) - (start - n_prev)
-            mask = _positions_mask(q_pos, k_pos[lo:hi], c.window)
-            if isinstance(k, CodesView):
-                kv = CodesView(k.codec, k.buffer.slice(lo, hi), k.dtype)
-                vv = CodesView(v.codec, v.buffer.slice(lo, hi), v.dtype)
-                outs.append(attention_from_codes(q[:, :, s:e], kv, vv, scale=scale, mask=mask))
-            else:
-                scores = (q[:, :, s:e] * scale) @ mx.swapaxes(k[:, :, lo:hi], -1, -2)
-                scores = mx.where(mask, scores, -mx.inf)
-                outs.append(mx.softmax(scores, axis=-1, precise=True) @ v[:, :, lo:hi])
-        out = mx.concatenate(outs, axis=2).transpose(0, 2, 1, 3).reshape(B, T, c.hidden)
-        return self.o_proj(out)
+        out = window_attention(q, k, v, cache, c.window, c.chunk, 1 / math.sqrt(c.head_dim))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, c.hidden))
+
+
+def window_attention(q: mx.array, k: mx.array, v: mx.array, cache, window: int, chunk: int,
+                     scale: float) -> mx.array:
+    """Bit-Axon's attention step for new tokens: q (B, H, T, D), k and v (B, H_kv, T, D)
+    (H a multiple of H_kv) → (B, H, T, D).
+
+    The number of held keys is read from ``cache.k.shape[2]`` *before* the update, as
+    upstream does; the cache returns held + new keys (or their codes); queries attend in
+    chunks of ``chunk`` with the mask i − W < j ≤ i built from absolute positions."""
+    T = q.shape[2]
+    n_prev = 0 if cache is None or cache.k is None else cache.k.shape[2]
+    start = 0 if cache is None else cache.offset
+    if cache is not None:
+        k, v = cache.update_and_fetch(k, v)
+    k_pos = mx.arange(start - n_prev, start + T)
+    outs = []
+    for s in range(0, T, chunk):                                        # query chunks
+        e = min(T, s + chunk)
+        q_pos = mx.arange(start + s, start + e)
+        lo = max(0, (start + s - window + 1) - (start - n_prev))        # first key any query here sees
+        hi = (start + e) - (start - n_prev)
+        mask = _positions_mask(q_pos, k_pos[lo:hi], window)
+        if isinstance(k, CodesView):
+            kv = CodesView(k.codec, k.buffer.slice(lo, hi), k.dtype)
+            vv = CodesView(v.codec, v.buffer.slice(lo, hi), v.dtype)
+            outs.append(attention_from_codes(q[:, :, s:e], kv, vv, scale=scale, mask=mask))
+        else:
+            outs.append(reference_attention(q[:, :, s:e], k[:, :, lo:hi], v[:, :, lo:hi], scale, mask))
+    return mx.concatenate(outs, axis=2)
+
+
+def ring_fidelity(captured: list[dict], codec: Callable[[int], Codec], window: int, chunk: int = 512,
+                  value_codec: Optional[Callable[[int], Codec]] = None) -> list[dict]:
+    """Per layer of a real model: the window attention of its captured queries, keys and
+    values (``turboquant.eval.capture_qkv``; one prefill, so it runs past the window) through
+    a ``QuantizedSWACache`` (keys with ``codec(D)``, values with ``value_codec`` or the same)
+    against the same attention on exact keys and values. Returns per layer {"cos_mean",
+    "cos_min", "rel_error"} over every query row and head."""
+    from .attention import cosine_similarity, relative_error
+    out = []
+    for layer in captured:
+        q, k, v, scale = layer["q"], layer["k"], layer["v"], layer["scale"]
+        D = k.shape[-1]
+        ring = QuantizedSWACache(window, codec(D), None if value_codec is None else value_codec(D))
+        approx = window_attention(q, k, v, ring, window, chunk, scale)
+        exact = window_attention(q, k, v, None, window, chunk, scale)
+        cos = cosine_similarity(approx, exact)
+        out.append({"cos_mean": mx.mean(cos).item(), "cos_min": mx.min(cos).item(),
+                    "rel_error": relative_error(approx, exact)})
+    return out
 
 
 def full_sequence_attention(layer: SWAttention, x: mx.array) -> mx.array:
