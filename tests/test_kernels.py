@@ -92,6 +92,18 @@ def test_score_and_value_kernels_equal_reference(emu, name):
 
 
 @needs_cxx
+@pytest.mark.parametrize("name", ["mse3", "fib-k4"])
+def test_value_kernel_split_over_tokens(emu, name):
+    codec = CODECS[name]()
+    T = 1000
+    code = codec.encode(vectors((1, 2, T, codec.dim), seed=9))
+    w = mx.softmax(mx.random.normal((1, 2, 3, 1, T), key=mx.random.key(10)), axis=-1)
+    assert kernels.value_splits(6 * codec.dim, T) == 15       # spans of 67 tokens, the last one shorter
+    got = kernels.rotated_values(emu, kernels.spec_for(codec), w, code["idx"])
+    assert mx.abs(got - w @ codec.decode_rotated(code)[:, :, None]).max().item() < 1e-6
+
+
+@needs_cxx
 @pytest.mark.parametrize("sink,window,centered", [(0, 0, False), (1, 4, True), (2, 0, False)])
 @pytest.mark.parametrize("tq", [1, 3])
 def test_attention_from_codes_through_kernels_equals_mx_path(emu, sink, window, centered, tq):
@@ -155,7 +167,9 @@ def test_bad_input_is_refused_on_the_kernel_path(emu):
 @needs_cxx
 def test_emulation_compiles_without_warnings(emu):
     codec = FibQuant(64, k=2, bits=2.5)
-    for op, t in (("encode", {"D": 64, "K": 2, "N": 32, "IB": 5, "NB": 20}),
+    G, NG = kernels.encode_groups(kernels.spec_for(codec))
+    assert (G, NG) == (8, 4)                                  # 5-bit indices fill whole bytes in 8s
+    for op, t in (("encode", {"D": 64, "K": 2, "N": 32, "IB": 5, "NB": 20, "G": G, "NG": NG}),
                   ("scores", {"D": 64, "K": 2, "IB": 5, "NB": 20, "RT": 2}),
                   ("values", {"D": 64, "K": 2, "IB": 5, "NB": 20, "RT": 2})):
         fresh = emulate.CppKernels()
@@ -173,7 +187,7 @@ _STAND_IN = "#include <cstdint>\n#include <cuda/std/limits>"
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("op", list(source.BODIES))
 def test_cuda_translation_unit_compiles_with_nvcc(tmp_path, op):
-    t = {"D": 80, "K": 2, "N": 300, "IB": 9, "NB": 45, "RT": 4}
+    t = {"D": 80, "K": 2, "N": 300, "IB": 9, "NB": 45, "RT": 4, "G": 8, "NG": 5}
     cu = tmp_path / f"{op}.cu"
     cu.write_text(source.cuda_translation_unit(op, t, name=f"custom_kernel_turboquant_{op}",
                                                mlx_header=_STAND_IN))

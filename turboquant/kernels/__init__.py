@@ -15,6 +15,7 @@ What was verified where is stated in ``VERIFIED`` and in Chapter 7.
 """
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -151,8 +152,9 @@ _INT_MAX = 2 ** 31 - 1
 
 def fits(spec: KernelSpec, q_rows: int, kv_rows: int, T: int) -> bool:
     """True when every index the score/value kernels form fits their int32 arithmetic
-    (threads q_rows·max(T, D), code bytes kv_rows·T·NB); otherwise use the mx path."""
-    return q_rows * max(T, spec.D) <= _INT_MAX and kv_rows * T * spec.NB <= _INT_MAX
+    (score threads q_rows·T, value threads at most q_rows·D·T/64, code bytes
+    kv_rows·T·NB); otherwise use the mx path."""
+    return q_rows * max(T, spec.D * max(1, T // 64)) <= _INT_MAX and kv_rows * T * spec.NB <= _INT_MAX
 
 
 def encode(backend, spec: KernelSpec, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -162,10 +164,11 @@ def encode(backend, spec: KernelSpec, x: mx.array) -> tuple[mx.array, mx.array]:
     if rows * max(spec.D, spec.NB) > _INT_MAX:
         raise ValueError(f"{rows} vectors are too many for one encode launch (int32 indices); "
                          "encode in chunks")
-    t = {"D": spec.D, "K": spec.K, "N": spec.N, "IB": spec.IB, "NB": spec.NB}
-    meta = mx.array([rows], dtype=mx.int32)
+    G, NG = encode_groups(spec)
+    t = {"D": spec.D, "K": spec.K, "N": spec.N, "IB": spec.IB, "NB": spec.NB, "G": G, "NG": NG}
+    meta = mx.array([rows * NG], dtype=mx.int32)
     idx, norm = backend.run("encode", [x.reshape(rows, spec.D), spec.rot, spec.bounds, spec.table, spec.c2, meta],
-                            t, rows, [(rows, spec.NB), (rows,)], [mx.uint8, mx.float32])
+                            t, rows * NG, [(rows, spec.NB), (rows,)], [mx.uint8, mx.float32])
     return idx.reshape(*lead, spec.NB), norm.reshape(*lead, 1)
 
 
@@ -187,8 +190,23 @@ def rotated_values(backend, spec: KernelSpec, w: mx.array, idx: mx.array) -> mx.
     (B, H_kv, T, NB) uint8 → (B, H_kv, R, Tq, D) float32."""
     B, Hk, R, Tq, T = w.shape
     rows = B * Hk * R * Tq
+    S = value_splits(rows * spec.D, T)
     t = {"D": spec.D, "K": spec.K, "IB": spec.IB, "NB": spec.NB, "RT": R * Tq}
-    meta = mx.array([rows * spec.D, T], dtype=mx.int32)
+    meta = mx.array([rows * S * spec.D, T, S], dtype=mx.int32)
     (o,) = backend.run("values", [w.astype(mx.float32).reshape(rows, T), idx.reshape(B * Hk * T, spec.NB),
-                                  spec.table, meta], t, rows * spec.D, [(rows, spec.D)], [mx.float32])
-    return o.reshape(B, Hk, R, Tq, spec.D)
+                                  spec.table, meta], t, rows * S * spec.D, [(rows, S, spec.D)], [mx.float32])
+    return o.sum(axis=1).reshape(B, Hk, R, Tq, spec.D)
+
+
+def encode_groups(spec: KernelSpec) -> tuple[int, int]:
+    """(G, NG): blocks per encode thread — the fewest that fill whole bytes (8/gcd(IB, 8)),
+    at least 4 — and groups per vector."""
+    base = 8 // math.gcd(spec.IB, 8)
+    G = base * -(-4 // base)
+    return G, -(-(spec.D // spec.K) // G)
+
+
+def value_splits(threads: int, T: int, target: int = 1 << 16, min_span: int = 64) -> int:
+    """Token spans S for the values kernel: enough threads (``target``) for a GPU, while
+    each span keeps at least ``min_span`` tokens."""
+    return max(1, min(-(-target // max(threads, 1)), T // min_span))

@@ -14,18 +14,21 @@ case K = 1 with the N = 2^b centroids as a (N, 1) table; FibQuant is K = k with 
 
 The three kernels (one thread each per …):
 
-- ``encode`` (… row): ν = ‖x‖, y = Π x / ν, per block the nearest codeword (K = 1: the
-  cell count #{t : y > t} over the Lloyd–Max thresholds, exactly the reference's rule;
-  K > 1: argmin ‖c‖² − 2⟨y, c⟩, first minimum), packed into bytes as they fill.
-  Inputs x (rows, D), rot (D, D) = Π, bounds (N−1,), table (N·K,), c2 (N,), meta
-  [rows]; outputs idx (rows, NB) uint8, norm (rows,) float32.
+- ``encode`` (… row and group of G blocks, G·IB a multiple of 8 bits so groups own whole
+  bytes; NG groups per row): ν = ‖x‖, y = Π x / ν for the group's coordinates, per block
+  the nearest codeword (K = 1: the cell count #{t : y > t} over the Lloyd–Max
+  thresholds, exactly the reference's rule; K > 1: argmin ‖c‖² − 2⟨y, c⟩, first minimum),
+  packed into bytes as they fill. Inputs x (rows, D), rot (D, D) = Π, bounds (N−1,),
+  table (N·K,), c2 (N,), meta [rows·NG]; outputs idx (rows, NB) uint8, norm (rows,) float32.
 - ``scores`` (… query row, key): ⟨Πq, c[i_t]⟩ read from the packed bytes, no unpacked
   or dequantized copy. Inputs q (rows, D) rotated and scaled, idx (kv rows · T, NB), table,
   meta [rows·T, T]; rows are ordered (B, H_kv, RT) with RT = query heads per kv head ×
   queries, so a query row reads kv row ``row / RT``. Output scores (rows, T).
-- ``values`` (… query row, coordinate): Σ_t w_t c[i_t]_d in the rotated frame, with
-  w = softmax weights × value norms computed before. Inputs w (rows, T), idx, table, meta
-  [rows·D, T]; output out (rows, D).
+- ``values`` (… query row, token span, coordinate): Σ_t w_t c[i_t]_d over one of S spans
+  of the tokens, in the rotated frame, with w = softmax weights × value norms computed
+  before; the S partial sums are added afterwards in a fixed order (split-T, so a long
+  cache gives enough threads). Inputs w (rows, T), idx, table, meta [rows·S·D, T, S];
+  output out (rows, S, D).
 
 The softmax, masks, norms, exact sink/recent tokens and the final inverse rotation stay
 mx operations (``turboquant.attention``): they touch T or D numbers per query, while the
@@ -48,9 +51,10 @@ _READ_CODE = """    {
 """
 
 ENCODE = """
-  const int rows = meta[0];
-  if ((int)tq_gid >= rows) return;
-  const int row = (int)tq_gid;
+  const int total = meta[0];
+  if ((int)tq_gid >= total) return;
+  const int row = (int)tq_gid / NG;
+  const int g = (int)tq_gid - row * NG;
   const int xb = row * D;
   float ss = 0.0f;
   for (int j = 0; j < D; ++j) {
@@ -59,11 +63,13 @@ ENCODE = """
   }
   const float nrm = TQ_SQRT(ss);
   const float inv = nrm > 0.0f ? 1.0f / nrm : 1.0f;
-  norm[row] = nrm;
+  if (g == 0) norm[row] = nrm;
+  const int blk0 = g * G;
+  const int blk1 = (blk0 + G < D / K) ? blk0 + G : D / K;
   uint32_t acc = 0u;
   int nacc = 0;
-  int ob = row * NB;
-  for (int blk = 0; blk < D / K; ++blk) {
+  int ob = row * NB + g * (G * IB / 8);
+  for (int blk = blk0; blk < blk1; ++blk) {
     float y[K];
     for (int c = 0; c < K; ++c) {
       const int i = blk * K + c;
@@ -115,13 +121,19 @@ VALUES = """
   const int total = meta[0];
   if ((int)tq_gid >= total) return;
   const int T = meta[1];
-  const int qrow = (int)tq_gid / D;
-  const int d = (int)tq_gid - qrow * D;
+  const int S = meta[2];
+  const int qrow = (int)tq_gid / (S * D);
+  const int rest = (int)tq_gid - qrow * (S * D);
+  const int part = rest / D;
+  const int d = rest - part * D;
   const int kvrow = qrow / RT;
   const int j = d / K;
   const int c = d - j * K;
+  const int span = (T + S - 1) / S;
+  const int t0 = part * span;
+  const int t1 = (t0 + span < T) ? t0 + span : T;
   float acc = 0.0f;
-  for (int t = 0; t < T; ++t) {
+  for (int t = t0; t < t1; ++t) {
     const int base = (kvrow * T + t) * NB;
     uint32_t code = 0u;
 """ + _READ_CODE + """    acc += w[qrow * T + t] * table[code * K + c];
@@ -134,7 +146,7 @@ INPUTS = {"encode": ["x", "rot", "bounds", "table", "c2", "meta"],
           "scores": ["q", "idx", "table", "meta"],
           "values": ["w", "idx", "table", "meta"]}
 OUTPUTS = {"encode": ["idx", "norm"], "scores": ["scores"], "values": ["out"]}
-TEMPLATES = {"encode": ("D", "K", "N", "IB", "NB"), "scores": ("D", "K", "IB", "NB", "RT"),
+TEMPLATES = {"encode": ("D", "K", "N", "IB", "NB", "G", "NG"), "scores": ("D", "K", "IB", "NB", "RT"),
              "values": ("D", "K", "IB", "NB", "RT")}
 # C types of the inputs and outputs, in order (float32 → float, uint8 → uint8_t, int32 → int32_t)
 CTYPES = {"encode": (["float", "float", "float", "float", "float", "int32_t"], ["uint8_t", "float"]),
