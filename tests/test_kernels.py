@@ -220,3 +220,37 @@ def test_launch_size_limits():
     assert kernels.fits(spec, 32, 8, 16384)
     assert not kernels.fits(spec, 2 ** 20, 8, 4096)          # 2^32 score threads
     assert not kernels.fits(spec, 8, 2 ** 16, 2 ** 12)       # 16 GiB of codes in one launch
+
+
+class _Perturbed:
+    """A back-end with one slightly wrong kernel."""
+
+    def __init__(self, inner, op):
+        self.inner, self.op, self.name = inner, op, "perturbed"
+
+    def run(self, op, *args):
+        outs = self.inner.run(op, *args)
+        if op == self.op == "encode":                         # flip the lowest bit of every code byte
+            outs[0] = mx.bitwise_xor(outs[0], mx.array(1, mx.uint8))
+        elif op == self.op:
+            outs[0] = outs[0] + 1e-3
+        return outs
+
+
+class _Broken:
+    name = "broken"
+
+    def run(self, *args):
+        raise RuntimeError("kernel failed to compile")
+
+
+@needs_cxx
+def test_self_check_adopts_good_kernels_and_refuses_bad_ones(emu):
+    assert kernels.self_check(emu) is None
+    assert kernels.adopt(lambda: emu) is emu
+    for op, what in (("scores", "scores differ"), ("values", "value sums differ"), ("encode", "encode agrees")):
+        assert what in kernels.self_check(_Perturbed(emu, op))
+    with pytest.warns(RuntimeWarning, match="not adopted .*kernel failed to compile"):
+        assert kernels.adopt(_Broken) is None
+    with pytest.warns(RuntimeWarning, match="scores differ"):
+        assert kernels.adopt(lambda: _Perturbed(emu, "scores")) is None

@@ -9,7 +9,8 @@ from ``scores``/``values`` (the passes over all T·D codes) for those codecs.
 
 ``TURBOQUANT_KERNELS=0`` turns the automatic choice off; ``use(backend)`` forces one
 (``use(None)``: the mx path; ``use(emulated())``: the kernel bodies compiled as C++ for this
-CPU, which is how the tests check them here).
+CPU, which is how the tests check them here). A GPU back-end is adopted only after its
+kernels reproduce the mx path on a small problem (``self_check``), once per process.
 
 What was verified where is stated in ``VERIFIED`` and in Chapter 7.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -27,7 +29,7 @@ import numpy as np
 from . import source
 
 __all__ = ["KernelSpec", "spec_for", "backend_name", "active", "use", "emulated", "gpu_backend",
-           "fits", "encode", "unit_scores", "rotated_values", "VERIFIED"]
+           "fits", "encode", "unit_scores", "rotated_values", "VERIFIED", "adopt", "self_check"]
 
 VERIFIED = {
     "cpp-emulation": "the three kernel bodies compiled with g++ and run on this CPU, compared "
@@ -102,12 +104,56 @@ class _MxKernels:
 
 @lru_cache(maxsize=1)
 def gpu_backend():
-    """The GPU back-end mlx has here ("metal" or "cuda" kernels), or None on a CPU-only build."""
+    """The GPU back-end mlx has here ("metal" or "cuda" kernels), or None on a CPU-only build.
+
+    On first use the kernels are compiled and run once against the mx path (``self_check``);
+    if that fails they are not used, with a RuntimeWarning saying why."""
     if mx.metal.is_available():
-        return _MxKernels("metal")
+        return adopt(lambda: _MxKernels("metal"))
     cuda = getattr(mx, "cuda", None)
     if cuda is not None and cuda.is_available():
-        return _MxKernels("cuda")
+        return adopt(lambda: _MxKernels("cuda"))
+    return None
+
+
+def adopt(make):
+    """``make()`` if the back-end it builds passes ``self_check``, else None (and a warning)."""
+    try:
+        backend = make()
+        problem = self_check(backend)
+    except Exception as e:                                   # compile or launch failure
+        backend, problem = None, f"{type(e).__name__}: {e}"
+    if problem is not None:
+        warnings.warn(f"turboquant: the fused kernels were not adopted ({problem}); using the mx "
+                      "path. Please report this.", RuntimeWarning, stacklevel=2)
+        return None
+    return backend
+
+
+def self_check(backend) -> str | None:
+    """Run ``backend``'s three kernels on small random inputs for a scalar and a vector codec
+    and compare with the mx path: None when they agree, else what differed."""
+    from ..codecs.fibquant import FibQuant
+    from ..codecs.scalar import TurboQuantMSE
+    for codec in (TurboQuantMSE(64, 3), FibQuant(64, k=2, n_codewords=32)):
+        x = mx.random.normal((2, 3, 33, 64), key=mx.random.key(0))
+        spec = spec_for(codec)
+        with use(None):
+            ref = codec.encode(x)
+            units = codec.decode_rotated(ref)
+        idx, norm = encode(backend, spec, x)
+        agree = np.mean(np.array(idx) == np.array(ref["idx"]))
+        if agree < 0.999 or not np.array_equal(np.array(norm.astype(mx.float16)), np.array(ref["norm"])):
+            return f"{codec!r}: encode agrees on {agree:.4f} of the code bytes"
+        q = mx.random.normal((2, 3, 2, 1, 64), key=mx.random.key(1))
+        s_ref = q @ mx.swapaxes(units, -1, -2)[:, :, None]
+        err = mx.abs(unit_scores(backend, spec, q, ref["idx"]) - s_ref).max().item()
+        if not err < 1e-4:
+            return f"{codec!r}: scores differ by {err:.3g}"
+        w = mx.softmax(s_ref, axis=-1)
+        err = mx.abs(rotated_values(backend, spec, w, ref["idx"]) - w @ units[:, :, None]).max().item()
+        if not err < 1e-5:
+            return f"{codec!r}: value sums differ by {err:.3g}"
     return None
 
 
