@@ -29,3 +29,16 @@ def test_eval_lists_and_runs_a_small_comparison(tmp_path, capsys):
 def test_model_command_checks_paris(capsys):
     assert cli.main(["model"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_kernels_command(capsys):
+    from turboquant.kernels import emulate
+    assert cli.main(["kernels"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel back-end:" in out and "verified (cuda)" in out
+    if emulate.compiler() is None:
+        pytest.skip("no C++ compiler for the kernel emulation")
+    assert cli.main(["kernels", "--emulated", "--bench", "--tokens", "128", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel back-end: cpp" in out and "self-check against the mx path: passed" in out
+    assert out.count("turboquant_mse 4.12b") == 1 and "fibquant" in out

@@ -54,8 +54,23 @@ def test_switch_off_by_environment(monkeypatch, emu):
     monkeypatch.setenv("TURBOQUANT_KERNELS", "0")
     assert kernels.active() is None
     with kernels.use(emu):
-        assert kernels.active() is emu and kernels.backend_name() == "cpp-emulation"
+        assert kernels.active() is emu and kernels.backend_name() == "cpp"
     assert kernels.active() is None
+
+
+def test_environment_modes(monkeypatch):
+    monkeypatch.setenv("TURBOQUANT_KERNELS", "sometimes")
+    with pytest.raises(ValueError, match="TURBOQUANT_KERNELS must be one of"):
+        kernels.active()
+    if emulate.compiler() is None:
+        return
+    monkeypatch.setenv("TURBOQUANT_KERNELS", "cpp")
+    assert kernels.backend_name() == "cpp"                    # adopted after its self-check
+    codec = TurboQuantMSE(64, 4)
+    x = vectors((1, 2, 20, 64))
+    got = codec.encode(x)
+    with kernels.use(None):
+        assert np.array_equal(np.array(codec.encode(x)["idx"]), np.array(got["idx"]))
 
 
 @needs_cxx

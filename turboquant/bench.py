@@ -42,7 +42,9 @@ def decode_attention_seconds(T: int, codec, H: int = 8, D: int = 128, repeats: i
     ``sdpa_fp32``: mx.fast.scaled_dot_product_attention on full-precision K/V;
     ``mlx_lm_q4``: mlx-lm's QuantizedKVCache path (quantized matmuls, 4 bits, groups of 64);
     ``dequantize``: decode this codec's K/V codes, then mx.fast SDPA;
-    ``from_codes``: ``attention_from_codes`` on the same codes.
+    ``from_codes``: ``attention_from_codes`` on the same codes (through the fused kernels
+    when a kernel back-end is active, ``turboquant.kernels``);
+    ``from_codes_mx``: the same with the kernels switched off — only when one is active.
     """
     import math
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
@@ -58,7 +60,12 @@ def decode_attention_seconds(T: int, codec, H: int = 8, D: int = 128, repeats: i
     kv = CodesView(codec, CodeBuffer(codec.encode(k).arrays), mx.float32)
     vv = CodesView(codec, CodeBuffer(codec.encode(v).arrays), mx.float32)
     mx.eval(k, v, q, qk, qv, kv.buffer.fields, vv.buffer.fields)
-    return {
+    from . import kernels
+    extra = {}
+    if kernels.active() is not None:
+        with kernels.use(None):
+            extra["from_codes_mx"] = time_call(lambda: attention_from_codes(q, kv, vv, scale=scale), repeats=repeats)
+    return extra | {
         "sdpa_fp32": time_call(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), repeats=repeats),
         "mlx_lm_q4": time_call(lambda: quantized_scaled_dot_product_attention(
             q, qk, qv, scale=scale, mask=None, group_size=64, bits=4), repeats=repeats),

@@ -68,6 +68,43 @@ def _eval(args) -> int:
     return 0
 
 
+def _kernels(args) -> int:
+    from . import kernels
+    from .bench import decode_attention_seconds
+    from .codecs import FibQuant, TurboQuantMSE
+    if args.emulated:
+        ctx = kernels.use(kernels.emulated())
+    else:
+        import contextlib
+        ctx = contextlib.nullcontext()
+    with ctx:
+        name = kernels.backend_name()
+        print(f"kernel back-end: {name}")
+        for where, what in kernels.VERIFIED.items():
+            print(f"  verified ({where}): {what}")
+        if kernels.active() is None:
+            print("no kernel back-end in use: the mx path (mlx has no GPU here; --emulated or "
+                  "TURBOQUANT_KERNELS=cpp use the kernel bodies' C++ build)")
+            return 0
+        problem = kernels.self_check(kernels.active())
+        print("self-check against the mx path:", "passed" if problem is None else f"FAILED: {problem}")
+        if problem is not None:
+            return 1
+        if args.bench:
+            print(f"\ndecode attention, one query, B=1, H=8, D=128, float32: ratios to fp32 SDPA "
+                  f"(median of {args.repeats})")
+            print(f"{'T':>6} {'codec':>18} {'SDPA ms':>9} {'mlx-lm q4':>10} {'dequantize':>11} "
+                  f"{'codes, mx':>10} {'codes, kernels':>15}")
+            for T in args.tokens:
+                for codec in (TurboQuantMSE(128, 4), FibQuant(128, 2, 256)):
+                    r = decode_attention_seconds(T, codec, repeats=args.repeats)
+                    b = r["sdpa_fp32"]
+                    print(f"{T:>6} {codec.name + f' {codec.bits_per_coordinate:.3g}b':>18} {b * 1e3:>9.3f} "
+                          f"{r['mlx_lm_q4'] / b:>10.2f} {r['dequantize'] / b:>11.2f} "
+                          f"{r['from_codes_mx'] / b:>10.2f} {r['from_codes'] / b:>15.2f}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="turboquant", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -103,6 +140,13 @@ def main(argv=None) -> int:
     e.add_argument("--out", default=None, help="write the results as JSON here")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(run=_eval)
+
+    k = sub.add_parser("kernels", help="which fused-kernel back-end is used, its self-check, and a decode benchmark")
+    k.add_argument("--emulated", action="store_true", help="check the kernel bodies through their C++ build (CPU)")
+    k.add_argument("--bench", action="store_true", help="time decode attention: kernels vs the mx path vs SDPA")
+    k.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384], help="cache lengths for --bench")
+    k.add_argument("--repeats", type=int, default=5)
+    k.set_defaults(run=_kernels)
     args = p.parse_args(argv)
     return args.run(args)
 

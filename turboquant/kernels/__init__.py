@@ -7,9 +7,11 @@ bodies (``turboquant.kernels.source``) run as ``mx.fast.metal_kernel`` (Apple GP
 encode through ``encode``, and ``attention_from_codes`` takes its scores and value sums
 from ``scores``/``values`` (the passes over all T·D codes) for those codecs.
 
-``TURBOQUANT_KERNELS=0`` turns the automatic choice off; ``use(backend)`` forces one
-(``use(None)``: the mx path; ``use(emulated())``: the kernel bodies compiled as C++ for this
-CPU, which is how the tests check them here). A GPU back-end is adopted only after its
+``TURBOQUANT_KERNELS=0`` turns the automatic choice off and ``TURBOQUANT_KERNELS=cpp``
+opts in to the kernel bodies compiled as C++ for the CPU (needs a C++ compiler; it is how
+the tests check the bodies here, and on this CPU it is much faster than the mx path for
+attention from codes: Chapter 7). ``use(backend)`` forces one (``use(None)``: the mx path;
+``use(emulated())``: the C++ build). A GPU back-end is adopted only after its
 kernels reproduce the mx path on a small problem (``self_check``), once per process.
 
 What was verified where is stated in ``VERIFIED`` and in Chapter 7.
@@ -29,11 +31,11 @@ import numpy as np
 from . import source
 
 __all__ = ["KernelSpec", "spec_for", "backend_name", "active", "use", "emulated", "gpu_backend",
-           "fits", "encode", "unit_scores", "rotated_values", "VERIFIED", "adopt", "self_check"]
+           "fits", "encode", "unit_scores", "rotated_values", "VERIFIED", "adopt", "self_check", "cpu_backend"]
 
 VERIFIED = {
-    "cpp-emulation": "the three kernel bodies compiled with g++ and run on this CPU, compared "
-                     "with the mx reference (tests/test_kernels.py, Chapter 7)",
+    "cpp": "the three kernel bodies compiled with g++ and run on this CPU, compared with the "
+           "mx reference (tests/test_kernels.py, Chapter 7)",
     "cuda": "the CUDA translation unit in mlx 0.32's generated layout compiled with nvcc 13 "
             "(a stand-in for mlx's device header; tests/test_kernels.py); not run: no NVIDIA "
             "GPU was available to this project",
@@ -166,18 +168,39 @@ def emulated():
 _forced = []          # stack of backends set by use(); empty: automatic choice
 
 
+_MODES = ("auto", "1", "0", "cpp")
+
+
+@lru_cache(maxsize=1)
+def cpu_backend():
+    """The kernel bodies' C++ build as an opt-in CPU back-end (``TURBOQUANT_KERNELS=cpp``),
+    adopted after the same self-check as a GPU's; None without a C++ compiler."""
+    from .emulate import compiler
+    if compiler() is None:
+        warnings.warn("turboquant: TURBOQUANT_KERNELS=cpp needs a C++ compiler (set $CXX or "
+                      "install g++); using the mx path", RuntimeWarning, stacklevel=3)
+        return None
+    return adopt(emulated)
+
+
 def active():
-    """The back-end the package uses now: a forced one (``use``), else the GPU's unless
-    ``TURBOQUANT_KERNELS=0``; None means the mx-operations path."""
+    """The back-end the package uses now: a forced one (``use``), else by
+    ``TURBOQUANT_KERNELS``: "auto" (default, also "1") the GPU's if mlx has one, "0" none,
+    "cpp" the C++ build on the CPU. None means the mx-operations path."""
     if _forced:
         return _forced[-1]
-    if os.environ.get("TURBOQUANT_KERNELS", "1") == "0":
+    mode = os.environ.get("TURBOQUANT_KERNELS", "auto")
+    if mode not in _MODES:
+        raise ValueError(f"TURBOQUANT_KERNELS must be one of {_MODES}, got {mode!r}")
+    if mode == "0":
         return None
+    if mode == "cpp":
+        return cpu_backend()
     return gpu_backend()
 
 
 def backend_name() -> str:
-    """"metal", "cuda", "cpp-emulation" or "mx" (no kernels)."""
+    """"metal", "cuda", "cpp" or "mx" (no kernels)."""
     b = active()
     return "mx" if b is None else b.name
 

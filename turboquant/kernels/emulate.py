@@ -1,9 +1,10 @@
-"""The kernel bodies compiled as C++ and run on the CPU, one "thread" after another.
+"""The kernel bodies compiled as C++ and run on the CPU, the grid's threads as loop iterations.
 
 This is how the Metal/CUDA bodies are checked on a machine without a GPU: the exact text
 of ``source.BODIES`` becomes a C++ function of the thread index ``tq_gid`` (template
 arguments as ``constexpr int``), compiled once per template with the system's C++
-compiler (``$CXX`` or g++), loaded with ctypes and called for every thread of the grid.
+compiler (``$CXX`` or g++; with OpenMP when it has it, since the threads are independent),
+loaded with ctypes and called for every thread of the grid.
 What it cannot check: GPU-only matters (the generated signatures, memory coalescing,
 speed); those are said in Chapter 7.
 """
@@ -47,7 +48,8 @@ def cpp_source(op: str, template: dict) -> str:
             + f"static inline void thread_{op}(const unsigned int tq_gid, {', '.join(params)}) {{\n"
             + consts + source.BODIES[op] + "}\n\n"
             + f'extern "C" void run({", ".join(params)}, const unsigned int n) {{\n'
-            + f"  for (unsigned int g = 0; g < n; ++g) thread_{op}(g, {names});\n}}\n")
+            + "  #pragma omp parallel for schedule(static)\n"
+            + f"  for (long long g = 0; g < (long long)n; ++g) thread_{op}((unsigned int)g, {names});\n}}\n")
 
 
 def _cache_dir() -> Path:
@@ -59,7 +61,7 @@ def _cache_dir() -> Path:
 class CppKernels:
     """A back-end with the interface of the GPU ones (``run``), compiled for this CPU."""
 
-    name = "cpp-emulation"
+    name = "cpp"
 
     def __init__(self):
         self.cxx = compiler()
@@ -81,8 +83,12 @@ class CppKernels:
             cpp = so.with_suffix(".cpp")
             cpp.write_text(text)
             tmp = so.with_suffix(f".{os.getpid()}.tmp")
-            proc = subprocess.run([self.cxx, "-std=c++17", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC",
-                                   str(cpp), "-o", str(tmp)], capture_output=True, text=True)
+            flags = ["-std=c++17", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC"]
+            proc = subprocess.run([self.cxx, *flags, "-fopenmp", str(cpp), "-o", str(tmp)],
+                                  capture_output=True, text=True)
+            if proc.returncode:                              # no OpenMP: one thread after another
+                proc = subprocess.run([self.cxx, *flags, "-Wno-unknown-pragmas", str(cpp), "-o", str(tmp)],
+                                      capture_output=True, text=True)
             if proc.returncode:
                 raise RuntimeError(f"compiling kernel {op!r} failed:\n{proc.stderr}")
             self.warnings[key] = proc.stderr
