@@ -1,7 +1,7 @@
 """Fused kernels for encode and for decode attention from packed codes (Chapter 7).
 
 The mx-operations path in ``turboquant.codecs`` and ``turboquant.attention`` is the
-reference and what runs on a CPU. When mlx has a GPU back-end, the same three kernel
+reference and what runs on a CPU by default. When mlx has a GPU back-end, the same three kernel
 bodies (``turboquant.kernels.source``) run as ``mx.fast.metal_kernel`` (Apple GPUs) or
 ``mx.fast.cuda_kernel`` (NVIDIA), chosen automatically: ``TurboQuantMSE`` and ``FibQuant``
 encode through ``encode``, and ``attention_from_codes`` takes its scores and value sums
@@ -37,8 +37,9 @@ VERIFIED = {
     "cpp": "the three kernel bodies compiled with g++ and run on this CPU, compared with the "
            "mx reference (tests/test_kernels.py, Chapter 7)",
     "cuda": "the CUDA translation unit in mlx 0.32's generated layout compiled with nvcc 13 "
-            "(a stand-in for mlx's device header; tests/test_kernels.py); not run: no NVIDIA "
-            "GPU was available to this project",
+            "for sm_90 (tests/test_kernels.py, with a stand-in for mlx's device header; once by "
+            "hand with the headers of the mlx-cuda-13 0.32.4 wheel); not run: no NVIDIA GPU "
+            "was available to this project",
     "metal": "not compiled and not run: no Apple GPU or Metal compiler was available",
 }
 
