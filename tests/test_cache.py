@@ -6,7 +6,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 
 from turboquant.attention import codes_attention
-from turboquant.cache import TurboQuantKVCache, TurboQuantRotatingKVCache
+from turboquant.cache import TurboQuantKVCache, TurboQuantRotatingKVCache, returning_codes
 from turboquant.codecs import (AffineCodec, Centered, FibQuant, Identity, OutlierSplit, PolarQuant, TurboQuantMSE,
                                TurboQuantProd)
 from turboquant.models import ByteTokenizer, run_in_chunks, tiny_model
@@ -117,10 +117,8 @@ def test_rotating_memory_is_constant_over_65536_steps():
     D, W = 32, 64
     c = TurboQuantRotatingKVCache(W, TurboQuantMSE(D, 3))
     x = mx.random.normal((1, 2, 1, D))
-    import turboquant.cache as tc
-    token = tc.codes_mode.set(True)                       # no dequantization per step
-    try:
-        sizes = {}
+    sizes = {}
+    with returning_codes():                               # no dequantization per step
         for step in range(1, 65537):
             c.update_and_fetch(x, x)
             if step % 256 == 0:
@@ -128,8 +126,6 @@ def test_rotating_memory_is_constant_over_65536_steps():
             if step in (W, 1024, 16384, 65536):
                 mx.eval(c.keys.fields, c.values.fields)
                 sizes[step] = c.nbytes
-    finally:
-        tc.codes_mode.reset(token)
     assert len(set(sizes.values())) == 1 and c.offset == 65536 and c.size() == W
 
 
@@ -239,10 +235,8 @@ def test_attention_from_codes_equals_dequantize_then_sdpa(kc, vc, fp_window, sin
         assert mx.array_equal(k_hat[:, :, :sinks], k[:, :, :sinks])
     causal = mx.arange(T - 3, T)[:, None] >= mx.arange(T)[None]
     ref = reference_attention(q, k_hat, v_hat, mask=causal)
-    import turboquant.cache as tc
-    token = tc.codes_mode.set(True)
-    kv, vv = c._fetch(c.keys.slice(0, c.offset), c.values.slice(0, c.offset))
-    tc.codes_mode.reset(token)
+    with returning_codes():
+        kv, vv = c._fetch(c.keys.slice(0, c.offset), c.values.slice(0, c.offset))
     for mask in (causal, "causal"):
         assert mx.abs(attention_from_codes(q, kv, vv, mask=mask) - ref).max().item() < 1e-4
 

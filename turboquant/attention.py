@@ -13,7 +13,7 @@ import mlx.core as mx
 from . import kernels
 
 __all__ = ["reference_attention", "cosine_similarity", "relative_error", "attention_fidelity",
-           "attention_from_codes", "codes_attention", "patch_attention"]
+           "attention_from_codes", "codes_attention", "patch_attention", "output_fidelity"]
 
 
 def _repeat_kv(x: mx.array, n_heads: int) -> mx.array:
@@ -65,12 +65,18 @@ def attention_fidelity(q: mx.array, k: mx.array, v: mx.array, k_hat: mx.array,
     error, and the RMS error of the scaled scores q·kᵀ·scale."""
     exact = reference_attention(q, k, v, scale, mask)
     approx = reference_attention(q, k_hat, v if v_hat is None else v_hat, scale, mask)
-    cos = cosine_similarity(approx, exact)
     s = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     H = q.shape[1]
     ds = (q.astype(mx.float32) * s) @ mx.swapaxes(_repeat_kv((k_hat - k).astype(mx.float32), H), -1, -2)
+    return output_fidelity(approx, exact) | {"score_rmse": mx.sqrt(mx.mean(ds * ds)).item()}
+
+
+def output_fidelity(approx: mx.array, exact: mx.array) -> dict:
+    """Attention outputs (..., D) against exact ones: mean and minimum cosine similarity of
+    the rows and the relative error over everything."""
+    cos = cosine_similarity(approx, exact)
     return {"cos_mean": mx.mean(cos).item(), "cos_min": mx.min(cos).item(),
-            "rel_error": relative_error(approx, exact), "score_rmse": mx.sqrt(mx.mean(ds * ds)).item()}
+            "rel_error": relative_error(approx, exact)}
 
 
 # ------------------------------------------------------------------ from codes (Chapter 7)
@@ -157,15 +163,12 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     T = keys.shape[2]
     s, r = keys.exact_spans()
 
-    kern = kernels.active()
     kc, code = _unwrap(keys)
-    kspec = kernels.spec_for(kc) if kern is not None else None
-    if kspec is not None and not kernels.fits(kspec, B * H * Tq, B * Hk, T):
-        kspec = None
     if _rotated(kc):
         qr = kc.rotation.apply(qf)
-        if kspec is not None:                                 # fused: scores from the packed bytes
-            unit = kernels.unit_scores(kern, kspec, qr, code["idx"])
+        fused = kernels.for_attention(kc, B * H * Tq, B * Hk, T)
+        if fused is not None:                                 # scores from the packed bytes
+            unit = kernels.unit_scores(*fused, qr, code["idx"])
         elif hasattr(kc, "codewords"):
             unit = _score_table(qr, kc, code)
         elif getattr(kc, "bits", None) in (1, 2, 4, 8) and hasattr(kc, "centroids"):
@@ -196,19 +199,15 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     vc, code = _unwrap(values)
     sv, rv = values.exact_spans()
     pc = p[..., sv:T - rv]                                    # weights of the coded tokens
-    vspec = kernels.spec_for(vc) if kern is not None else None
-    if vspec is not None and not kernels.fits(vspec, B * H * Tq, B * Hk, T):
-        vspec = None
-    if vspec is not None:                                     # fused: Σ w_t c[i_t] from the packed bytes
+    if _rotated(vc):
         w = pc * mx.swapaxes(code["norm"].astype(mx.float32), -1, -2)[:, :, None][..., sv:T - rv]
-        if sv or rv:                                          # exact tokens weigh nothing here
-            zeros = lambda n: mx.zeros((*w.shape[:-1], n), w.dtype)  # noqa: E731
-            w = mx.concatenate(([zeros(sv)] if sv else []) + [w] + ([zeros(rv)] if rv else []), axis=-1)
-        out = vc.rotation.invert(kernels.rotated_values(kern, vspec, w, code["idx"]))
-    elif _rotated(vc):
-        w = pc * mx.swapaxes(code["norm"].astype(mx.float32), -1, -2)[:, :, None][..., sv:T - rv]
-        units = vc.decode_rotated(code)[..., sv:T - rv, :]
-        out = vc.rotation.invert(w @ units[:, :, None])
+        fused = kernels.for_attention(vc, B * H * Tq, B * Hk, T)
+        if fused is not None:                                 # Σ w_t c[i_t] from the packed bytes
+            w = mx.pad(w, [(0, 0)] * (w.ndim - 1) + [(sv, rv)])  # exact tokens weigh nothing here
+            out = vc.rotation.invert(kernels.rotated_values(*fused, w, code["idx"]))
+        else:
+            units = vc.decode_rotated(code)[..., sv:T - rv, :]
+            out = vc.rotation.invert(w @ units[:, :, None])
     else:
         vfull = vc.decode(code).astype(mx.float32)[..., sv:T - rv, :]
         out = pc @ vfull[:, :, None]
@@ -247,7 +246,7 @@ def codes_attention(model):
     Calls whose keys are not ``CodesView`` (other caches, no cache) go to the original
     function (``patch_attention``).
     """
-    from .cache import CodesView, codes_mode
+    from .cache import CodesView, returning_codes
 
     def wrap(original):
         def sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, **kwargs):
@@ -258,9 +257,5 @@ def codes_attention(model):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
         return sdpa
 
-    token = codes_mode.set(True)
-    try:
-        with patch_attention(model, wrap):
-            yield model
-    finally:
-        codes_mode.reset(token)
+    with returning_codes(), patch_attention(model, wrap):
+        yield model

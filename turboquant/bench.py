@@ -75,6 +75,27 @@ def decode_attention_seconds(T: int, codec, H: int = 8, D: int = 128, repeats: i
     }
 
 
+DECODE_HEADERS = ["T", "codec", "fp32 SDPA ms", "mlx-lm q4 (x)", "dequantize (x)", "from codes, mx (x)",
+                  "from codes, kernels (x)"]
+
+
+def decode_attention_rows(tokens=(1024, 4096, 16384), repeats: int = 3) -> list[tuple]:
+    """``decode_attention_seconds`` for TurboQuant_mse 4 bits and FibQuant (k = 2, N = 256)
+    at each T, as rows for ``DECODE_HEADERS``: T, codec, SDPA ms, then ratios to SDPA; the
+    kernels column is NaN when no kernel back-end is active."""
+    from .codecs import FibQuant, TurboQuantMSE
+    rows = []
+    for T in tokens:
+        for codec in (TurboQuantMSE(128, 4), FibQuant(128, 2, 256)):
+            r = decode_attention_seconds(T, codec, repeats=repeats)
+            b = r["sdpa_fp32"]
+            fused = "from_codes_mx" in r
+            rows.append((T, f"{codec.name} {codec.bits_per_coordinate:.3g}b", b * 1e3, r["mlx_lm_q4"] / b,
+                         r["dequantize"] / b, r.get("from_codes_mx", r["from_codes"]) / b,
+                         r["from_codes"] / b if fused else float("nan")))
+    return rows
+
+
 # ------------------------------------------------------------------ fast BLAS (Chapter 9)
 _BLAS_PROBE = r"""
 import json, sys, time

@@ -223,7 +223,7 @@ def ring_fidelity(captured: list[dict], codec: Callable[[int], Codec], window: i
     a ``QuantizedSWACache`` (keys with ``codec(D)``, values with ``value_codec`` or the same)
     against the same attention on exact keys and values. Returns per layer {"cos_mean",
     "cos_min", "rel_error"} over every query row and head."""
-    from .attention import cosine_similarity, relative_error
+    from .attention import output_fidelity
     out = []
     for layer in captured:
         q, k, v, scale = layer["q"], layer["k"], layer["v"], layer["scale"]
@@ -231,9 +231,7 @@ def ring_fidelity(captured: list[dict], codec: Callable[[int], Codec], window: i
         ring = QuantizedSWACache(window, codec(D), None if value_codec is None else value_codec(D))
         approx = window_attention(q, k, v, ring, window, chunk, scale)
         exact = window_attention(q, k, v, None, window, chunk, scale)
-        cos = cosine_similarity(approx, exact)
-        out.append({"cos_mean": mx.mean(cos).item(), "cos_min": mx.min(cos).item(),
-                    "rel_error": relative_error(approx, exact)})
+        out.append(output_fidelity(approx, exact))
     return out
 
 

@@ -18,6 +18,7 @@ to its affine quantized attention.
 from __future__ import annotations
 
 import contextvars
+from contextlib import contextmanager
 from typing import Optional
 
 import mlx.core as mx
@@ -25,10 +26,22 @@ from mlx_lm.models.base import create_causal_mask
 
 from .codecs.base import Code, Codec
 
-__all__ = ["CodeBuffer", "CodesView", "TurboQuantKVCache", "TurboQuantRotatingKVCache", "codes_mode"]
+__all__ = ["CodeBuffer", "CodesView", "TurboQuantKVCache", "TurboQuantRotatingKVCache", "codes_mode",
+           "returning_codes"]
 
 # Set by turboquant.attention.codes_attention: caches then return CodesView, not K/V.
 codes_mode: contextvars.ContextVar[bool] = contextvars.ContextVar("turboquant_codes_mode", default=False)
+
+
+@contextmanager
+def returning_codes():
+    """Inside the block, caches' ``update_and_fetch`` returns ``CodesView`` objects (codes
+    for attention from codes), not dequantized K and V."""
+    token = codes_mode.set(True)
+    try:
+        yield
+    finally:
+        codes_mode.reset(token)
 
 
 class CodeBuffer:

@@ -70,8 +70,7 @@ def _eval(args) -> int:
 
 def _kernels(args) -> int:
     from . import kernels
-    from .bench import decode_attention_seconds
-    from .codecs import FibQuant, TurboQuantMSE
+    from .bench import DECODE_HEADERS, decode_attention_rows
     if args.emulated:
         ctx = kernels.use(kernels.emulated())
     else:
@@ -91,17 +90,10 @@ def _kernels(args) -> int:
         if problem is not None:
             return 1
         if args.bench:
-            print(f"\ndecode attention, one query, B=1, H=8, D=128, float32: ratios to fp32 SDPA "
-                  f"(median of {args.repeats})")
-            print(f"{'T':>6} {'codec':>18} {'SDPA ms':>9} {'mlx-lm q4':>10} {'dequantize':>11} "
-                  f"{'codes, mx':>10} {'codes, kernels':>15}")
-            for T in args.tokens:
-                for codec in (TurboQuantMSE(128, 4), FibQuant(128, 2, 256)):
-                    r = decode_attention_seconds(T, codec, repeats=args.repeats)
-                    b = r["sdpa_fp32"]
-                    print(f"{T:>6} {codec.name + f' {codec.bits_per_coordinate:.3g}b':>18} {b * 1e3:>9.3f} "
-                          f"{r['mlx_lm_q4'] / b:>10.2f} {r['dequantize'] / b:>11.2f} "
-                          f"{r['from_codes_mx'] / b:>10.2f} {r['from_codes'] / b:>15.2f}")
+            from .viz.style import table
+            rows = decode_attention_rows(args.tokens, args.repeats)
+            print(f"\ndecode attention, one query, B=1, H=8, D=128, float32 (median of {args.repeats})")
+            print(table(rows, DECODE_HEADERS, ".3g"))
     return 0
 
 

@@ -105,7 +105,7 @@ def fused_encode(codec, x: mx.array):
     if kern is None or x.size == 0:
         return None
     spec = kernels.spec_for(codec)
-    if spec is None or x.size > 2 ** 31 - 1:                  # int32 indices in the kernel
+    if spec is None or not kernels.encode_fits(spec, x.size // x.shape[-1]):
         return None
     idx, norm = kernels.encode(kern, spec, x)
     check_norms(norm)

@@ -31,7 +31,7 @@ import numpy as np
 from . import source
 
 __all__ = ["KernelSpec", "spec_for", "backend_name", "active", "use", "emulated", "gpu_backend",
-           "fits", "encode", "unit_scores", "rotated_values", "VERIFIED", "adopt", "self_check", "cpu_backend"]
+           "fits", "encode_fits", "for_attention", "encode", "unit_scores", "rotated_values", "VERIFIED", "adopt", "self_check", "cpu_backend"]
 
 VERIFIED = {
     "cpp": "the three kernel bodies compiled with g++ and run on this CPU, compared with the "
@@ -227,11 +227,26 @@ def fits(spec: KernelSpec, q_rows: int, kv_rows: int, T: int) -> bool:
     return q_rows * max(T, spec.D * max(1, T // 64)) <= _INT_MAX and kv_rows * T * spec.NB <= _INT_MAX
 
 
+def encode_fits(spec: KernelSpec, rows: int) -> bool:
+    """True when the encode kernel's int32 indices hold ``rows`` vectors (rows·max(D, NB))."""
+    return rows * max(spec.D, spec.NB) <= _INT_MAX
+
+
+def for_attention(codec, q_rows: int, kv_rows: int, T: int):
+    """(back-end, spec) when attention over ``codec``'s codes should use the kernels: a
+    back-end is active, it knows the codec and the launch ``fits``; else None."""
+    backend = active()
+    spec = None if backend is None else spec_for(codec)
+    if spec is None or not fits(spec, q_rows, kv_rows, T):
+        return None
+    return backend, spec
+
+
 def encode(backend, spec: KernelSpec, x: mx.array) -> tuple[mx.array, mx.array]:
     """x (..., D) float32 → packed indices (..., NB) uint8 and norms (..., 1) float32."""
     lead = x.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
-    if rows * max(spec.D, spec.NB) > _INT_MAX:
+    if not encode_fits(spec, rows):
         raise ValueError(f"{rows} vectors are too many for one encode launch (int32 indices); "
                          "encode in chunks")
     G, NG = encode_groups(spec)
