@@ -68,11 +68,13 @@ class TurboQuantMSE(Codec):
         self.codebook = book
         self.centroids = mx.array(book.centroids, dtype=mx.float32)     # (2^b,)
         self.thresholds = mx.array(book.thresholds, dtype=mx.float32)   # (2^b − 1,)
-        # compiled cores: elementwise chains fuse into single passes over the data
-        self._encode_core = mx.compile(
-            lambda u: pack(self.quantize_rotated(self.rotation.apply(u)), self.bits))
+        # Compiled cores fuse the elementwise chains into single passes over the data. Bit
+        # packing stays outside them: mlx 0.32.4's compiler miscompiles shift-and-mask
+        # chains with scalar constants (``mx.compile(lambda w: (w >> 1) & 63)`` returns 0
+        # for uint32 input; Chapter 3), so ``pack``/``unpack`` always run eagerly.
+        self._encode_core = mx.compile(lambda u: self.quantize_rotated(self.rotation.apply(u)))
         self._decode_core = mx.compile(
-            lambda words, norm: self.rotation.invert(self._lookup(words)) * norm)
+            lambda idx, norm: self.rotation.invert(mx.take(self.centroids, idx)) * norm)
 
     @property
     def bits_per_coordinate(self) -> float:
@@ -110,17 +112,18 @@ class TurboQuantMSE(Codec):
         if fused is not None:
             return Code(fused, tuple(x.shape[:-1]), dtype, self.config())
         norm, u = split_norm(x)
-        return Code({"idx": self._encode_core(u), "norm": norm.astype(mx.float16)},
+        return Code({"idx": pack(self._encode_core(u), self.bits), "norm": norm.astype(mx.float16)},
                     tuple(x.shape[:-1]), dtype, self.config())
 
     def decode_rotated(self, code: Code) -> mx.array:
         """Unit vectors in the rotated frame, c[i]: (..., D) float32 (no norm, no Πᵀ)."""
-        return self._lookup(code["idx"])
+        return mx.take(self.centroids, self.indices(code))
 
-    def _lookup(self, words: mx.array) -> mx.array:
-        return mx.take(self.centroids, unpack(words, self.bits, self.dim).astype(mx.int32))
+    def indices(self, code: Code) -> mx.array:
+        """Cell indices of a code: (..., D) int32 (unpacked eagerly, never compiled)."""
+        return unpack(code["idx"], self.bits, self.dim).astype(mx.int32)
 
     def decode(self, code: Code) -> mx.array:
         code = self._check_code(code)
-        x = self._decode_core(code["idx"], code["norm"].astype(mx.float32))
+        x = self._decode_core(self.indices(code), code["norm"].astype(mx.float32))
         return x.astype(code.dtype)
