@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..rotation import Rotation
-from .base import Code, Codec, check_input, register
+from .base import Code, Codec, check_input, check_int, register
 
 __all__ = ["AffineCodec"]
 
@@ -29,11 +29,13 @@ class AffineCodec(Codec):
 
     def __init__(self, dim: int, bits: int, group_size: int = 64, rotation: str | None = None,
                  seed: int = 0):
-        if isinstance(bits, bool) or bits not in _BITS:
+        bits, group_size = check_int("bits", bits), check_int("group_size", group_size)
+        dim, seed = check_int("dim", dim, 1), check_int("seed", seed, 0)
+        if bits not in _BITS:
             raise ValueError(f"mx.quantize supports bits in {_BITS}, got {bits!r}")
         if group_size not in _GROUPS:
             raise ValueError(f"mx.quantize supports group_size in {_GROUPS}, got {group_size!r}")
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1 or dim % group_size:
+        if dim % group_size:
             raise ValueError(f"dim must be a positive multiple of group_size={group_size}, got {dim!r}")
         self.dim, self.bits, self.group_size, self.seed = dim, bits, group_size, seed
         self.rotation = Rotation(rotation, dim, seed) if rotation else None
@@ -50,20 +52,24 @@ class AffineCodec(Codec):
         return {"codec": self.name, "dim": self.dim, "bits": self.bits, "group_size": self.group_size,
                 "rotation": self.rotation.kind if self.rotation else None, "seed": self.seed}
 
-    def encode(self, x: mx.array) -> Code:
+    def _encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim)
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.dim)                       # mx.quantize wants a matrix
         if self.rotation is not None:
             x = self.rotation.apply(x)
         if x.size and mx.max(mx.abs(x)).item() > 65504:
             raise ValueError("input exceeds fp16's range; affine scales are stored in fp16")
         w, s, b = mx.quantize(x.astype(mx.float16), group_size=self.group_size, bits=self.bits)
-        return Code({"w": w, "scales": s, "biases": b}, tuple(x.shape[:-1]), dtype, self.config())
+        fields = {"w": w, "scales": s, "biases": b}
+        return Code({n: a.reshape(*lead, a.shape[-1]) for n, a in fields.items()}, tuple(lead), dtype,
+                    self.config())
 
-    def decode(self, code: Code) -> mx.array:
-        code = self._check_code(code)
-        x = mx.dequantize(code["w"], code["scales"], code["biases"], group_size=self.group_size,
-                          bits=self.bits).astype(mx.float32)
+    def _decode(self, code: Code) -> mx.array:
+        flat = [code[n].reshape(-1, code[n].shape[-1]) for n in ("w", "scales", "biases")]
+        x = mx.dequantize(*flat, group_size=self.group_size, bits=self.bits).astype(mx.float32)
+        x = x.reshape(*code.shape, self.dim)
         if self.rotation is not None:
             x = self.rotation.invert(x)
         return x.astype(code.dtype)

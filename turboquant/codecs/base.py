@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Mapping
 
 import mlx.core as mx
+import numpy as np
 
 __all__ = ["Code", "Codec", "register", "from_config", "CODECS", "check_input", "split_norm",
-           "FP16_MAX", "check_norms", "fused_encode"]
+           "FP16_MAX", "check_norms", "fused_encode", "check_int"]
 
 FP16_MAX = 65504.0
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
@@ -112,17 +113,57 @@ def fused_encode(codec, x: mx.array):
     return {"idx": idx, "norm": norm.astype(mx.float16)}
 
 
+def check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as a Python int: NumPy integers are accepted and converted; bools, floats
+    and anything else, or a value outside [lo, hi], raise ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        span = f"in {lo}..{hi}" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
+        raise ValueError(f"{name} must be an int {span}, got {value}")
+    return value
+
+
 class Codec:
-    """Base class; see the module docstring for the contract."""
+    """Base class; see the module docstring for the contract.
+
+    Subclasses implement ``_encode``/``_decode`` for non-empty input; the public
+    ``encode``/``decode`` here add what every codec shares: empty batches (0 vectors) give
+    empty results of the right shapes, and a code is checked against its codec and its own
+    ``shape`` before it is decoded."""
 
     name: ClassVar[str] = "codec"
     dim: int
 
-    def encode(self, x: mx.array) -> Code:  # pragma: no cover - interface
+    def encode(self, x: mx.array) -> Code:
+        """x (..., D) float32, float16 or bfloat16 → a ``Code`` whose fields have leading
+        dimensions x.shape[:-1]. NaN/Inf input, norms beyond fp16's range and wrong shapes
+        raise ``ValueError``; wrong types ``TypeError``."""
+        if isinstance(x, mx.array) and x.ndim >= 1 and x.shape[-1] == self.dim and x.size == 0 \
+                and x.dtype in _FLOATS:
+            return self._empty_code(x)
+        return self._encode(x)
+
+    def decode(self, code: Code) -> mx.array:
+        """A ``Code`` made by this codec → x̂ (*code.shape, D) in the encoded input's dtype."""
+        code = self._check_code(code)
+        if math.prod(code.shape) == 0:
+            return mx.zeros((*code.shape, self.dim), code.dtype)
+        return self._decode(code)
+
+    def _encode(self, x: mx.array) -> Code:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def decode(self, code: Code) -> mx.array:  # pragma: no cover - interface
+    def _decode(self, code: Code) -> mx.array:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def _empty_code(self, x: mx.array) -> Code:
+        """The code of 0 vectors: the fields of a one-vector stand-in, cut to 0 rows."""
+        lead = tuple(x.shape[:-1])
+        stand_in = self._encode(mx.zeros(tuple(max(1, s) for s in x.shape), mx.float32))
+        cut = tuple(slice(0, s) for s in lead)
+        return Code({n: a[cut] for n, a in stand_in.arrays.items()}, lead, x.dtype, self.config())
 
     @property
     def bits_per_coordinate(self) -> float:  # pragma: no cover - interface
@@ -147,6 +188,13 @@ class Codec:
             raise TypeError(f"expected a Code, got {type(code).__name__}")
         if dict(code.codec) != self.config():
             raise ValueError(f"this code was made by {dict(code.codec)}, not by {self.config()}")
+        shape = tuple(code.shape)
+        if code.dtype not in _FLOATS:
+            raise ValueError(f"a code's dtype must be float32, float16 or bfloat16, got {code.dtype}")
+        for name, a in code.arrays.items():
+            if not isinstance(a, mx.array) or a.ndim != len(shape) + 1 or tuple(a.shape[:-1]) != shape:
+                raise ValueError(f"code field {name!r} has shape {tuple(getattr(a, 'shape', ()))}, but "
+                                 f"the code's shape is {shape}: expected {shape} + (width,)")
         return code
 
     def __eq__(self, other):

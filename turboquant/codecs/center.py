@@ -55,6 +55,8 @@ class Centered(Codec):
         """μ from x: per head (axis −3) for (…, H, T, D) input, overall for (N, D); an inner
         codec that learns from data (``OutlierSplit``) is then fitted on x − μ."""
         x = check_input(x, self.dim)
+        if x.size == 0:
+            raise ValueError(f"cannot fit a mean on 0 vectors (input shape {tuple(x.shape)})")
         if x.ndim >= 3:
             self.mean = mx.mean(mx.moveaxis(x, -3, 0).reshape(x.shape[-3], -1, self.dim), axis=1)
         else:
@@ -89,7 +91,7 @@ class Centered(Codec):
         return {"codec": self.name, "inner": self.inner.config(),
                 "mean": None if self.mean is None else self.mean.tolist()}
 
-    def encode(self, x: mx.array) -> Code:
+    def _encode(self, x: mx.array) -> Code:
         if self.mean is None:
             raise ValueError("Centered has no mean yet: call fit(x) first (caches do this on the "
                              "first tensor they see)")
@@ -106,7 +108,6 @@ class Centered(Codec):
         """The same arrays as a code of the inner codec (for attention from codes)."""
         return Code(code.arrays, code.shape, mx.float32, self.inner.config())
 
-    def decode(self, code: Code) -> mx.array:
-        code = self._check_code(code)
+    def _decode(self, code: Code) -> mx.array:
         x = self.inner.decode(self.inner_code(code)).astype(mx.float32)
         return (x + self.broadcast_mean(x.ndim)).astype(code.dtype)

@@ -33,7 +33,7 @@ from ..lloyd import kmeans, kmeans_pp, nearest
 from ..packing import MAX_PACK_BITS, index_bits, pack, packed_bytes, unpack
 from ..rotation import Rotation
 from ..sphere import sample_block
-from .base import Code, Codec, check_input, fused_encode, register, split_norm
+from .base import Code, Codec, check_input, check_int, fused_encode, register, split_norm
 
 __all__ = ["FibQuant", "VectorCodebook", "fibquant_codebook", "spiral_codebook",
            "companded_radii", "CODEBOOK_VERSION"]
@@ -110,9 +110,7 @@ def spiral_codebook(dim: int, k: int, n: int) -> np.ndarray:
 
 
 def _check(dim, k, n):
-    for name, v, lo in (("dim", dim, 2), ("k", k, 1), ("n_codewords", n, 2)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    dim, k, n = check_int("dim", dim, 2), check_int("k", k, 1), check_int("n_codewords", n, 2)
     if dim % k:
         raise ValueError(f"block size k={k} must divide D={dim}")
     if index_bits(int(n)) > MAX_PACK_BITS:
@@ -186,17 +184,20 @@ class FibQuant(Codec):
 
     def __init__(self, dim: int, k: int = 2, n_codewords: int | None = None, bits: float | None = None,
                  seed: int = 0, rotation: str = "haar"):
+        dim, k, seed = check_int("dim", dim, 2), check_int("k", k, 1), check_int("seed", seed, 0)
         if (n_codewords is None) == (bits is None):
             raise ValueError("give exactly one of n_codewords or bits")
         if bits is not None:
-            if not isinstance(bits, (int, float)) or isinstance(bits, bool) or not bits > 0:
+            if not isinstance(bits, (int, float, np.integer, np.floating)) or isinstance(bits, bool) \
+                    or not math.isfinite(bits) or not bits > 0:
                 raise ValueError(f"bits must be a positive number, got {bits!r}")
             exact = 2 ** (bits * k)
             n_codewords = int(round(exact))
             if abs(exact - n_codewords) > 1e-9 * exact:
                 raise ValueError(f"bits={bits} with k={k} gives N = 2^{bits * k:g}, not a whole number")
+        n_codewords = check_int("n_codewords", n_codewords, 2)
         _check(dim, k, n_codewords)
-        self.dim, self.k, self.n_codewords, self.seed = dim, k, int(n_codewords), seed
+        self.dim, self.k, self.n_codewords, self.seed = dim, k, n_codewords, seed
         self.index_bits = index_bits(self.n_codewords)
         self.rotation = Rotation(rotation, dim, seed)
         self.codebook = fibquant_codebook(dim, k, self.n_codewords, seed)
@@ -239,7 +240,7 @@ class FibQuant(Codec):
         idx = mx.concatenate(out) if out else mx.zeros((0,), mx.uint32)
         return idx.reshape(*y.shape[:-1], self.dim // self.k)
 
-    def encode(self, x: mx.array) -> Code:
+    def _encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim, finite=False)
         fused = fused_encode(self, x)
@@ -254,7 +255,6 @@ class FibQuant(Codec):
         idx = unpack(code["idx"], self.index_bits, self.dim // self.k).astype(mx.int32)
         return mx.take(self.codewords, idx, axis=0).reshape(*idx.shape[:-1], self.dim)
 
-    def decode(self, code: Code) -> mx.array:
-        code = self._check_code(code)
+    def _decode(self, code: Code) -> mx.array:
         x = self.rotation.invert(self.decode_rotated(code)) * code["norm"].astype(mx.float32)
         return x.astype(code.dtype)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import Code, Codec, check_input, register
+from .base import FP16_MAX, Code, Codec, check_input, check_int, register
 
 __all__ = ["Identity"]
 
@@ -19,8 +19,7 @@ class Identity(Codec):
     name = "identity"
 
     def __init__(self, dim: int, dtype: str = "float32"):
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        dim = check_int("dim", dim, 1)
         if dtype not in ("float32", "float16"):
             raise ValueError(f"dtype must be 'float32' or 'float16', got {dtype!r}")
         self.dim, self.dtype = dim, dtype
@@ -37,11 +36,13 @@ class Identity(Codec):
     def config(self) -> dict:
         return {"codec": self.name, "dim": self.dim, "dtype": self.dtype}
 
-    def encode(self, x: mx.array) -> Code:
+    def _encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim)
+        if self.dtype == "float16" and mx.max(mx.abs(x)).item() > FP16_MAX:
+            raise ValueError(f"input exceeds float16's range (|x| <= {FP16_MAX}); use "
+                             "Identity(dim, 'float32') or scale the input down")
         return Code({"x": x.astype(self._dtype)}, tuple(x.shape[:-1]), dtype, self.config())
 
-    def decode(self, code: Code) -> mx.array:
-        code = self._check_code(code)
+    def _decode(self, code: Code) -> mx.array:
         return code["x"].astype(code.dtype)

@@ -23,7 +23,7 @@ import numpy as np
 from ..lloyd import QuadratureLaw, ScalarCodebook, lloyd_max
 from ..packing import pack, packed_bytes, unpack
 from ..rotation import Rotation
-from .base import Code, Codec, check_input, register
+from .base import Code, Codec, check_input, check_int, register
 from .scalar import bucketize
 
 __all__ = ["PolarQuant", "angle_codebook", "angle_pdf", "polar_transform", "polar_inverse"]
@@ -94,12 +94,12 @@ class PolarQuant(Codec):
     name = "polarquant"
 
     def __init__(self, dim: int, level_bits=(4, 2, 2, 2), seed: int = 0, rotation: str = "hadamard"):
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
-            raise ValueError(f"dim must be an int >= 2, got {dim!r}")
-        level_bits = tuple(level_bits)
-        if not level_bits or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8
-                                 for b in level_bits):
-            raise ValueError(f"level_bits must be a non-empty tuple of ints in 1..8, got {level_bits!r}")
+        dim, seed = check_int("dim", dim, 2), check_int("seed", seed, 0)
+        if isinstance(level_bits, (str, bytes)) or not hasattr(level_bits, "__iter__"):
+            raise ValueError(f"level_bits must be a sequence of ints in 1..8, got {level_bits!r}")
+        level_bits = tuple(check_int(f"level_bits[{i}]", b, 1, 8) for i, b in enumerate(level_bits))
+        if not level_bits:
+            raise ValueError("level_bits must hold at least one level")
         self.dim, self.level_bits, self.seed = dim, level_bits, seed
         self.levels = len(level_bits)
         block = 2 ** self.levels
@@ -151,7 +151,7 @@ class PolarQuant(Codec):
             return x
         return mx.concatenate([x, mx.zeros((*x.shape[:-1], self.padded_dim - self.dim), x.dtype)], -1)
 
-    def encode(self, x: mx.array) -> Code:
+    def _encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim)
         if x.size and mx.max(mx.linalg.norm(x, axis=-1)).item() > 65504:
@@ -163,8 +163,7 @@ class PolarQuant(Codec):
         arrays["radius"] = r.astype(mx.float16)
         return Code(arrays, tuple(x.shape[:-1]), dtype, self.config())
 
-    def decode(self, code: Code) -> mx.array:
-        code = self._check_code(code)
+    def _decode(self, code: Code) -> mx.array:
         counts = self._counts()
         angles = [None] * self.levels
         for b, ls in self._streams().items():

@@ -23,7 +23,7 @@ import numpy as np
 from scipy.special import gammaln
 
 from ..packing import pack, packed_bytes, unpack
-from .base import Code, Codec, check_input, register, split_norm
+from .base import Code, Codec, check_input, check_int, register, split_norm
 from .scalar import TurboQuantMSE
 
 __all__ = ["QJL", "TurboQuantProd"]
@@ -51,11 +51,10 @@ class QJL(Codec):
     name = "qjl"
 
     def __init__(self, dim: int, m: int | None = None, orthogonal: bool = False, seed: int = 0):
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
-            raise ValueError(f"dim must be an int >= 2, got {dim!r}")
-        m = dim if m is None else m
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"m must be a positive int, got {m!r}")
+        dim, seed = check_int("dim", dim, 2), check_int("seed", seed, 0)
+        m = dim if m is None else check_int("m", m, 1)
+        if not isinstance(orthogonal, (bool, np.bool_)):
+            raise ValueError(f"orthogonal must be True or False, got {orthogonal!r}")
         self.dim, self.m, self.orthogonal, self.seed = dim, m, bool(orthogonal), seed
         self.S = mx.array(_sketch_matrix(dim, m, self.orthogonal, seed), dtype=mx.float32)  # (m, D)
         self.scale = self.constant(dim, m, self.orthogonal)
@@ -85,7 +84,7 @@ class QJL(Codec):
         return {"codec": self.name, "dim": self.dim, "m": self.m, "orthogonal": self.orthogonal,
                 "seed": self.seed}
 
-    def encode(self, x: mx.array) -> Code:
+    def _encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim, finite=False)
         norm, u = split_norm(x)
@@ -97,8 +96,7 @@ class QJL(Codec):
         """±1 float32 signs (…, m)."""
         return unpack(code["signs"], 1, self.m).astype(mx.float32) * 2 - 1
 
-    def decode(self, code: Code) -> mx.array:
-        code = self._check_code(code)
+    def _decode(self, code: Code) -> mx.array:
         x = self.scale * code["norm"].astype(mx.float32) * (self.signs(code) @ self.S)
         return x.astype(code.dtype)
 
@@ -122,8 +120,7 @@ class TurboQuantProd(Codec):
     name = "turboquant_prod"
 
     def __init__(self, dim: int, bits: int, seed: int = 0, rotation: str = "hadamard"):
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 9:
-            raise ValueError(f"bits must be an int in 1..9, got {bits!r}")
+        dim, bits, seed = check_int("dim", dim, 3), check_int("bits", bits, 1, 9), check_int("seed", seed, 0)
         self.dim, self.bits, self.seed, self.rotation = dim, bits, seed, rotation
         self.mse = TurboQuantMSE(dim, bits - 1, rotation=rotation, seed=seed) if bits > 1 else None
         self.qjl = QJL(dim, m=dim, seed=seed)
@@ -146,7 +143,7 @@ class TurboQuantProd(Codec):
         return {"codec": self.name, "dim": self.dim, "bits": self.bits, "seed": self.seed,
                 "rotation": self.rotation}
 
-    def encode(self, x: mx.array) -> Code:
+    def _encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim)
         arrays = {}
@@ -165,8 +162,7 @@ class TurboQuantProd(Codec):
         qjl = Code({"signs": code["signs"], "norm": code["gamma"]}, shape, dt, self.qjl.config())
         return mse, qjl
 
-    def decode(self, code: Code) -> mx.array:
-        code = self._check_code(code)
+    def _decode(self, code: Code) -> mx.array:
         mse, qjl = self._parts(code)
         x = self.qjl.decode(qjl)
         if mse is not None:

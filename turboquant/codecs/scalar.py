@@ -16,7 +16,7 @@ import mlx.core as mx
 from ..lloyd import MAX_BITS, beta_codebook, gaussian_codebook
 from ..packing import pack, packed_bytes, unpack
 from ..rotation import Rotation
-from .base import Code, Codec, check_input, fused_encode, register, split_norm
+from .base import Code, Codec, check_input, check_int, fused_encode, register, split_norm
 
 __all__ = ["TurboQuantMSE", "bucketize"]
 
@@ -56,10 +56,8 @@ class TurboQuantMSE(Codec):
 
     def __init__(self, dim: int, bits: int, rotation: str = "hadamard", seed: int = 0,
                  law: str = "beta"):
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 3:
-            raise ValueError(f"dim must be an int >= 3, got {dim!r}")
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
-            raise ValueError(f"bits must be an int in 1..{MAX_BITS}, got {bits!r}")
+        dim, bits = check_int("dim", dim, 3), check_int("bits", bits, 1, MAX_BITS)
+        seed = check_int("seed", seed, 0)
         if law not in ("beta", "gaussian"):
             raise ValueError(f"law must be 'beta' or 'gaussian', got {law!r}")
         self.dim, self.bits, self.seed, self.law = dim, bits, seed, law
@@ -105,7 +103,7 @@ class TurboQuantMSE(Codec):
         """Rotated unit coordinates (..., D) → cell indices (..., D) uint32."""
         return bucketize(y, self.thresholds)
 
-    def encode(self, x: mx.array) -> Code:
+    def _encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim, finite=False)
         fused = fused_encode(self, x)
@@ -123,7 +121,6 @@ class TurboQuantMSE(Codec):
         """Cell indices of a code: (..., D) int32 (unpacked eagerly, never compiled)."""
         return unpack(code["idx"], self.bits, self.dim).astype(mx.int32)
 
-    def decode(self, code: Code) -> mx.array:
-        code = self._check_code(code)
+    def _decode(self, code: Code) -> mx.array:
         x = self._decode_core(self.indices(code), code["norm"].astype(mx.float32))
         return x.astype(code.dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import Code, Codec, check_input, register
+from .base import Code, Codec, check_input, check_int, register
 from .scalar import TurboQuantMSE
 
 __all__ = ["OutlierSplit"]
@@ -27,12 +27,21 @@ class OutlierSplit(Codec):
 
     def __init__(self, dim: int, n_outliers: int = 32, outlier_bits: int = 3, bits: int = 2,
                  seed: int = 0, channels=None, rotation: str = "hadamard"):
-        if isinstance(n_outliers, bool) or not isinstance(n_outliers, int) or not 3 <= n_outliers <= dim - 3:
-            raise ValueError(f"n_outliers must be an int in [3, D-3], got {n_outliers!r}")
+        dim, seed = check_int("dim", dim, 6), check_int("seed", seed, 0)
+        n_outliers = check_int("n_outliers", n_outliers, 3, dim - 3)
+        outlier_bits, bits = check_int("outlier_bits", outlier_bits, 1, 8), check_int("bits", bits, 1, 8)
         self.dim, self.n_outliers, self.outlier_bits, self.bits, self.seed = dim, n_outliers, outlier_bits, bits, seed
         self.rotation = rotation
-        self.outliers = TurboQuantMSE(n_outliers, outlier_bits, rotation=rotation, seed=seed)
-        self.rest = TurboQuantMSE(dim - n_outliers, bits, rotation=rotation, seed=seed + 1)
+        try:
+            self.outliers = TurboQuantMSE(n_outliers, outlier_bits, rotation=rotation, seed=seed)
+            self.rest = TurboQuantMSE(dim - n_outliers, bits, rotation=rotation, seed=seed + 1)
+        except ValueError as e:
+            if rotation != "hadamard":
+                raise
+            raise ValueError(f"OutlierSplit(dim={dim}, n_outliers={n_outliers}) rotates its two parts "
+                             f"separately ({n_outliers} and {dim - n_outliers} channels); "
+                             f"rotation='hadamard' needs each size to be 2^a, 12·2^a or 20·2^a: "
+                             f"choose n_outliers so that both are, or use rotation='haar'") from None
         self.channels = None
         if channels is not None:
             self._set_channels(list(channels))
@@ -71,7 +80,7 @@ class OutlierSplit(Codec):
                 "outlier_bits": self.outlier_bits, "bits": self.bits, "seed": self.seed,
                 "channels": self.channels, "rotation": self.rotation}
 
-    def encode(self, x: mx.array) -> Code:
+    def _encode(self, x: mx.array) -> Code:
         if not self.fitted:
             raise ValueError("OutlierSplit has no channels yet: call fit(x) first (caches do this "
                              "on the first tensor they see)")
@@ -82,8 +91,7 @@ class OutlierSplit(Codec):
         return Code({"o_idx": o["idx"], "o_norm": o["norm"], "r_idx": r["idx"], "r_norm": r["norm"]},
                     tuple(x.shape[:-1]), dtype, self.config())
 
-    def decode(self, code: Code) -> mx.array:
-        code = self._check_code(code)
+    def _decode(self, code: Code) -> mx.array:
         o = self.outliers.decode(Code({"idx": code["o_idx"], "norm": code["o_norm"]}, code.shape,
                                       mx.float32, self.outliers.config()))
         r = self.rest.decode(Code({"idx": code["r_idx"], "norm": code["r_norm"]}, code.shape,
