@@ -106,3 +106,302 @@ def test_identity_float16_refuses_values_beyond_its_range():
     with pytest.raises(ValueError, match="float16's range"):
         c.encode(mx.full((2, 64), 1e6))
     assert mx.all(mx.isfinite(c.decode(c.encode(mx.full((2, 64), 6e4))))).item()
+
+
+# -------------------------------------------------------------- caches on a tiny llama
+from mlx_lm.models import cache as mlx_cache  # noqa: E402
+
+from turboquant.models import run_in_chunks, tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+
+
+def toks(n, seed=0):
+    return mx.random.randint(1, 256, (1, n), key=mx.random.key(seed))
+
+
+# 2. max_kv_size is honoured for models with make_cache (llama)
+def test_max_kv_size_bounds_every_layer(llama):
+    cache = tq.make_prompt_cache(llama, max_kv_size=64)
+    assert all(isinstance(c, tq.TurboQuantRotatingKVCache) and c.max_size == 64 for c in cache)
+    run_in_chunks(llama, toks(299), cache, [200] + [1] * 99)
+    assert all(c.size() == 64 for c in cache)
+    unbounded = tq.make_prompt_cache(llama)
+    run_in_chunks(llama, toks(299), unbounded, [200] + [1] * 99)
+    assert cache[0].nbytes < unbounded[0].nbytes / 3
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="max_kv_size"):
+            tq.make_prompt_cache(llama, max_kv_size=bad)
+
+
+def test_max_kv_size_keeps_a_smaller_sliding_window():
+    gemma = tiny_model("gemma3", num_layers=6, sliding_window=16)
+    cache = tq.make_prompt_cache(gemma, max_kv_size=64)
+    assert sorted({c.max_size for c in cache}) == [16, 64]
+
+
+# 3. trim is exact or refused
+def test_trim_with_fp_window_is_refused_not_inexact(llama):
+    cache = tq.make_prompt_cache(llama, fp_window=8)
+    run_in_chunks(llama, toks(40), cache, [40])
+    assert not mlx_cache.can_trim_prompt_cache(cache)
+    assert mlx_cache.trim_prompt_cache(cache, 3) == 0 and cache[0].offset == 40
+    with pytest.raises(ValueError, match="cannot be trimmed exactly"):
+        cache[0].trim(3)
+    plain = tq.make_prompt_cache(llama)
+    run_in_chunks(llama, toks(40), plain, [40])
+    for c in (plain[0], tq.TurboQuantRotatingKVCache(8, tq.Identity(16))):
+        with pytest.raises(ValueError, match="n >= 0"):
+            c.trim(-1)
+
+
+def test_trim_without_fp_window_equals_a_cache_that_never_saw_the_tokens(llama):
+    t = toks(50)
+    a, b = tq.make_prompt_cache(llama, sink_tokens=2), tq.make_prompt_cache(llama, sink_tokens=2)
+    run_in_chunks(llama, t, a, [50])
+    assert mlx_cache.trim_prompt_cache(a, 10) == 10
+    run_in_chunks(llama, t[:, :40], b, [40])
+    nxt = toks(1, seed=9)
+    assert mx.array_equal(llama(nxt, cache=a), llama(nxt, cache=b)).item()
+
+
+# 4, 7. a cache file is validated; any file name works
+@pytest.fixture
+def saved(tmp_path, llama):
+    cache = tq.make_prompt_cache(llama, key_codec=lambda d: tq.FibQuant(d, 2, 16),
+                                 value_codec=lambda d: tq.TurboQuantMSE(d, 3), fp_window=4, sink_tokens=1)
+    run_in_chunks(llama, toks(30), cache, [30])
+    path = tmp_path / "cache.bin"
+    tq.save_prompt_cache(path, cache)
+    return path, cache
+
+
+def _rewrite(path, out, edit_header=None, edit_arrays=None, fix_checksum=True):
+    import json
+    from turboquant.prompt_cache import _digest
+    arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+    header = json.loads(meta["turboquant"])
+    if edit_header:
+        header = edit_header(header)
+    if edit_arrays:
+        edit_arrays(arrays)
+    meta["turboquant"] = json.dumps(header)
+    if fix_checksum:
+        meta["turboquant_sha256"] = _digest(meta["turboquant"], arrays)
+    _save(out, arrays, meta)
+    return out
+
+
+def _save(out, arrays, meta):
+    """mx.save_safetensors appends '.safetensors' to other names: write, then rename."""
+    tmp = out.with_name(out.name + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), arrays, meta)
+    tmp.replace(out)
+
+
+@pytest.mark.parametrize("name", ["cache.bin", "cache", "c.safetensors"])
+def test_any_file_name_saves_and_loads(tmp_path, llama, name):
+    cache = tq.make_prompt_cache(llama)
+    run_in_chunks(llama, toks(10), cache, [10])
+    tq.save_prompt_cache(tmp_path / name, cache)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+    assert tq.load_prompt_cache(tmp_path / name)[0].offset == 10
+
+
+def _drop_layer(h):
+    h["layers"] = h["layers"][:1]
+    return h
+
+
+def _set(layer, key, value):
+    def edit(h):
+        h["layers"][layer][key] = value
+        return h
+    return edit
+
+
+def _codec_n(h):
+    h["layers"][0]["key_codec"]["n_codewords"] = 9     # 4-bit indices, of which 9..15 now unused
+    return h
+
+
+def _huge(h):
+    h["layers"][0]["key_codec"]["n_codewords"] = 65536
+    return h
+
+
+def _drop(name):
+    return lambda a: a.pop(name)
+
+
+def _add(name):
+    return lambda a: a.__setitem__(name, mx.zeros((1, 2, 3, 4)))
+
+
+@pytest.mark.parametrize("edit_header, edit_arrays, match", [
+    (_drop_layer, None, "orphan tensor '1"),
+    (_set(0, "fp_window", 2), None, "exact tensor r.k"),
+    (_set(0, "sink_tokens", 0), None, "exact-token tensors"),
+    (_set(0, "offset", 29), None, "stored tokens for offset 29"),
+    (_set(0, "dtype", "foo"), None, "dtype must be one of"),
+    (_set(0, "class", "Nope"), None, "unknown cache class"),
+    (_set(0, "key_codec", [1, 2]), None, "key_codec must be a codec configuration"),
+    (_codec_n, None, "tensor k.idx names codeword"),
+    (_huge, None, "would take about"),
+    (lambda h: [h], None, "JSON object"),
+    (lambda h: {k: v for k, v in h.items() if k != "layers"}, None, "'layers' must be a list"),
+    (None, _drop("0.r.k"), "exact-token tensors"),
+    (None, _add("0.x.idx"), "orphan tensor '0.x.idx'"),
+    (None, _add("junk"), "orphan tensor 'junk'"),
+])
+def test_a_crafted_file_is_refused_naming_the_field(saved, tmp_path, edit_header, edit_arrays, match):
+    path, _ = saved
+    bad = _rewrite(path, tmp_path / "bad.bin", edit_header, edit_arrays)
+    with pytest.raises(ValueError, match=match):
+        tq.load_prompt_cache(bad)
+
+
+def test_rotating_settings_are_checked(tmp_path, llama):
+    cache = tq.make_prompt_cache(llama, max_kv_size=16)
+    run_in_chunks(llama, toks(40), cache, [20] + [1] * 20)
+    path = tmp_path / "r.bin"
+    tq.save_prompt_cache(path, cache)
+    for key, value, match in (("max_size", 8, "do not fit"), ("keep", 16, "keep must be an int in 0..15"),
+                              ("max_size", 0, "max_size must be an int >= 1")):
+        with pytest.raises(ValueError, match=match):
+            tq.load_prompt_cache(_rewrite(path, tmp_path / "bad.bin", _set(0, key, value)))
+
+
+def test_a_changed_byte_is_reported(saved, tmp_path):
+    path, _ = saved
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF                                        # a byte of the last tensor
+    (tmp_path / "flipped.bin").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        tq.load_prompt_cache(tmp_path / "flipped.bin")
+    unchecked = _rewrite(path, tmp_path / "nosum.bin")
+    arrays, meta = mx.load(str(unchecked), format="safetensors", return_metadata=True)
+    del meta["turboquant_sha256"]
+    _save(tmp_path / "nosum.bin", arrays, meta)
+    with pytest.raises(ValueError, match="checksum"):
+        tq.load_prompt_cache(tmp_path / "nosum.bin")
+
+
+# 5. a cache for another model
+def test_loading_for_a_different_model_raises(saved, llama):
+    path, _ = saved
+    assert len(tq.load_prompt_cache(path, model=llama)) == 2
+    for other, match in ((tiny_model("llama", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2), "3"),
+                         (tiny_model("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1), "kv heads"),
+                         (tiny_model("llama", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2), "head size")):
+        with pytest.raises(ValueError, match=match):
+            tq.load_prompt_cache(path, model=other)
+
+
+def test_codes_attention_refuses_a_cache_of_another_depth(llama):
+    six = tiny_model("llama", num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2)
+    cache = tq.make_prompt_cache(llama)
+    with tq.codes_attention(six), pytest.raises(ValueError, match="made for 2 layers, the model has 6"):
+        six(toks(5), cache=cache)
+    with pytest.raises(ValueError, match="2 layers, the model has 6"):
+        tq.to_turboquant([mlx_cache.KVCache(), mlx_cache.KVCache()], model=six)
+
+
+# 6. FibQuant construction is bounded
+def test_fibquant_refuses_a_build_it_cannot_finish():
+    import time
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=r"N=65536 .* would take about"):
+        tq.FibQuant(64, k=2, bits=8)
+    assert time.perf_counter() - t < 5
+
+
+# 12. fp_window / sink_tokens on sliding-window layers
+def test_fp_window_on_sliding_layers_warns_with_the_rule():
+    gemma = tiny_model("gemma3", num_layers=6, sliding_window=16)
+    with pytest.warns(UserWarning, match="plain \\(global\\) layers only"):
+        cache = tq.make_prompt_cache(gemma, fp_window=8, sink_tokens=2)
+    plain = [c for c in cache if not isinstance(c, tq.TurboQuantRotatingKVCache)]
+    assert plain and all(c.fp_window == 8 and c.sink_tokens == 2 for c in plain)
+
+
+# 13. codes_attention from overlapping threads restores mlx-lm
+def test_codes_attention_in_overlapping_threads_restores_mlx_lm(llama):
+    import mlx_lm.models.llama as arch
+    original = arch.scaled_dot_product_attention
+    entered, release = [threading.Event() for _ in range(2)], [threading.Event() for _ in range(2)]
+
+    def worker(i):
+        with tq.codes_attention(llama):
+            entered[i].set()
+            release[i].wait(10)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for e in entered:
+        e.wait(10)
+    release[0].set()                                     # the first to enter exits first
+    threads[0].join(10)
+    assert arch.scaled_dot_product_attention is not original      # still in use by thread 2
+    release[1].set()
+    threads[1].join(10)
+    assert arch.scaled_dot_product_attention is original
+    a, b = tq.codes_attention(llama), tq.codes_attention(llama)
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)                          # non-nested exit in one thread
+    b.__exit__(None, None, None)
+    assert arch.scaled_dot_product_attention is original
+    from turboquant.cache import codes_mode
+    assert codes_mode.get() == 0
+
+
+# 14. files written by mlx_lm.save_prompt_cache
+def test_mlx_lm_saved_turboquant_caches_load(tmp_path, llama):
+    cache = tq.make_prompt_cache(llama, key_codec=lambda d: tq.Centered(tq.TurboQuantMSE(d, 4)), fp_window=4)
+    run_in_chunks(llama, toks(30), cache, [30])
+    mlx_cache.save_prompt_cache(str(tmp_path / "m.safetensors"), cache, {"who": "mlx-lm"})
+    loaded, meta = tq.load_prompt_cache(tmp_path / "m.safetensors", return_metadata=True)
+    assert meta == {"who": "mlx-lm"}
+    nxt = toks(1, seed=3)
+    assert mx.array_equal(llama(nxt, cache=cache), llama(nxt, cache=loaded)).item()
+
+
+# 15. per-query-head masks under grouped-query attention
+def test_per_head_mask_with_gqa_equals_the_reference():
+    from turboquant.attention import attention_from_codes, reference_attention
+    from turboquant.cache import returning_codes
+    B, Hk, R, Tq, T, D = 1, 2, 3, 2, 20, 16
+    k = mx.random.normal((B, Hk, T, D), key=mx.random.key(0))
+    v = mx.random.normal((B, Hk, T, D), key=mx.random.key(1))
+    q = mx.random.normal((B, Hk * R, Tq, D), key=mx.random.key(2))
+    mask = mx.random.uniform(shape=(B, Hk * R, Tq, T), key=mx.random.key(3)) > 0.3   # differs per head
+    c = tq.TurboQuantKVCache(tq.Identity(D))
+    kd, vd = c.update_and_fetch(k, v)
+    with returning_codes():
+        kv, vv = c.update_and_fetch(k[:, :, :0], v[:, :, :0])
+    ref = reference_attention(q, kd, vd, mask=mask)
+    assert mx.abs(attention_from_codes(q, kv, vv, mask=mask) - ref).max().item() < 1e-5
+
+
+# 16. deep copies
+@pytest.mark.parametrize("kind", ["plain", "rotating", "window"])
+def test_caches_deep_copy_independently(llama, kind):
+    make = {"plain": lambda: tq.make_prompt_cache(llama, sink_tokens=1),
+            "rotating": lambda: tq.make_prompt_cache(llama, max_kv_size=16),
+            "window": lambda: tq.make_prompt_cache(llama, fp_window=4)}[kind]
+    cache = make()
+    run_in_chunks(llama, toks(20), cache, [12] + [1] * 8)
+    twin = copy.deepcopy(cache)
+    nxt = toks(1, seed=4)
+    assert mx.array_equal(llama(nxt, cache=cache), llama(nxt, cache=twin)).item()
+    run_in_chunks(llama, toks(5, seed=5), cache, [1] * 5)          # the original moves on …
+    fresh = make()
+    run_in_chunks(llama, toks(20), fresh, [12] + [1] * 8)
+    run_in_chunks(llama, nxt, fresh, [1])
+    nxt2 = toks(1, seed=6)
+    assert mx.array_equal(llama(nxt2, cache=twin), llama(nxt2, cache=fresh)).item()   # … the copy did not

@@ -5,7 +5,9 @@ multiple of H_kv (grouped-query attention repeats each kv head H/H_kv times).
 """
 from __future__ import annotations
 
+import contextvars
 import math
+import threading
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -191,8 +193,12 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
 
     if mask is not None:
         m = _causal(mask, Tq, T)
-        if m.ndim == 4:
+        if m.ndim == 4 and m.shape[1] == H and H != 1:            # per query head: (B, Hk, R, Tq, T)
+            m = m.reshape(m.shape[0], Hk, R, *m.shape[2:])
+        elif m.ndim == 4:                                         # one mask for all heads
             m = mx.expand_dims(m, 2)
+        elif m.ndim > 4:
+            raise ValueError(f"mask must broadcast to (B, H, Tq, T), got shape {tuple(m.shape)}")
         scores = mx.where(m, scores, -mx.inf) if m.dtype == mx.bool_ else scores + m
     p = mx.softmax(scores, axis=-1, precise=True)                              # (B, Hk, R, Tq, T)
 
@@ -221,21 +227,56 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     return out.reshape(B, H, Tq, D).astype(q.dtype)
 
 
+_PATCH_LOCK = threading.Lock()
+_PATCHED: dict = {}          # module → [its own scaled_dot_product_attention, users]
+_WRAPS: contextvars.ContextVar[tuple] = contextvars.ContextVar("turboquant_attention_wraps", default=())
+
+
+def _dispatcher(original):
+    """What a patched module calls: ``original`` wrapped by the wraps active in this context
+    (thread or task), so overlapping ``patch_attention`` blocks in other threads do not see
+    each other's wraps."""
+    def sdpa(*args, **kwargs):
+        f = original
+        for wrap in _WRAPS.get():
+            f = wrap(f)
+        return f(*args, **kwargs)
+    sdpa.__wrapped__ = original
+    return sdpa
+
+
 @contextmanager
 def patch_attention(model, wrap):
     """Replace ``scaled_dot_product_attention`` by ``wrap(original)`` in every module that
-    defines one of ``model``'s layers (mlx-lm model files import it by name); restored on exit."""
+    defines one of ``model``'s layers (mlx-lm model files import it by name), for calls made
+    in this thread inside the block.
+
+    The modules are patched once, reference-counted under a lock, and restored when the
+    last block exits, in whatever order blocks in different threads enter and exit; which
+    wraps apply is a per-context (ContextVar) choice."""
     import sys
     modules = {sys.modules[type(m).__module__] for m in model.modules()}
-    originals = {m: m.scaled_dot_product_attention for m in modules
-                 if hasattr(m, "scaled_dot_product_attention")}
+    modules = [m for m in modules if hasattr(m, "scaled_dot_product_attention")]
+    with _PATCH_LOCK:
+        for m in modules:
+            if m in _PATCHED:
+                _PATCHED[m][1] += 1
+            else:
+                original = m.scaled_dot_product_attention
+                _PATCHED[m] = [original, 1]
+                m.scaled_dot_product_attention = _dispatcher(original)
+    _WRAPS.set(_WRAPS.get() + (wrap,))
     try:
-        for m, original in originals.items():
-            m.scaled_dot_product_attention = wrap(original)
         yield model
     finally:
-        for m, original in originals.items():
-            m.scaled_dot_product_attention = original
+        _WRAPS.set(tuple(w for w in _WRAPS.get() if w is not wrap))
+        with _PATCH_LOCK:
+            for m in modules:
+                entry = _PATCHED[m]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    m.scaled_dot_product_attention = entry[0]
+                    del _PATCHED[m]
 
 
 @contextmanager
@@ -247,9 +288,14 @@ def codes_attention(model):
     function (``patch_attention``).
     """
     from .cache import CodesView, returning_codes
+    n_layers = len(model.layers) if hasattr(model, "layers") else None
 
     def wrap(original):
         def sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, **kwargs):
+            held = getattr(cache, "n_layers", None)
+            if held is not None and n_layers is not None and held != n_layers:
+                raise ValueError(f"this prompt cache was made for {held} layers, the model has "
+                                 f"{n_layers} (mlx-lm would silently skip or ignore layers)")
             if isinstance(keys, CodesView):
                 if kwargs.get("sinks") is not None:
                     raise ValueError("attention sinks are not supported from codes")

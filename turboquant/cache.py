@@ -18,10 +18,12 @@ to its affine quantized attention.
 from __future__ import annotations
 
 import contextvars
+import json
 from contextlib import contextmanager
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
 from .codecs.base import Code, Codec
@@ -29,19 +31,20 @@ from .codecs.base import Code, Codec
 __all__ = ["CodeBuffer", "CodesView", "TurboQuantKVCache", "TurboQuantRotatingKVCache", "codes_mode",
            "returning_codes"]
 
-# Set by turboquant.attention.codes_attention: caches then return CodesView, not K/V.
-codes_mode: contextvars.ContextVar[bool] = contextvars.ContextVar("turboquant_codes_mode", default=False)
+# Set by turboquant.attention.codes_attention: caches then return CodesView, not K/V. A depth
+# count, not a flag, so blocks may exit in any order.
+codes_mode: contextvars.ContextVar[int] = contextvars.ContextVar("turboquant_codes_mode", default=0)
 
 
 @contextmanager
 def returning_codes():
     """Inside the block, caches' ``update_and_fetch`` returns ``CodesView`` objects (codes
     for attention from codes), not dequantized K and V."""
-    token = codes_mode.set(True)
+    codes_mode.set(codes_mode.get() + 1)
     try:
         yield
     finally:
-        codes_mode.reset(token)
+        codes_mode.set(codes_mode.get() - 1)
 
 
 class CodeBuffer:
@@ -112,6 +115,18 @@ def _append(old: Optional[mx.array], new: mx.array) -> mx.array:
     return new if old is None else mx.concatenate([old, new], axis=2)
 
 
+def _check_trim(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"trim(n) needs an int n >= 0, got {n!r}")
+    return int(n)
+
+
+def _copy_array(a):
+    """An independent handle on an mx array: in-place writes into one (``x[...] = y``) are
+    not seen by the other."""
+    return None if a is None else mx.array(a)
+
+
 def _prepare(codec: Codec, x: mx.array) -> Codec:
     if hasattr(codec, "fit") and not getattr(codec, "fitted", True):
         codec.fit(x)
@@ -147,6 +162,7 @@ class TurboQuantKVCache:
         self.recent_keys = self.recent_values = None
         self.offset = 0
         self.dtype = mx.float32
+        self.n_layers = None       # length of the prompt-cache list this belongs to, if known
 
     # ---------------------------------------------------------------- protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -209,9 +225,17 @@ class TurboQuantKVCache:
         return self.keys is None
 
     def is_trimmable(self) -> bool:
-        return True
+        """True unless ``fp_window`` > 0: trimming would leave fewer than R exact recent
+        tokens (the older ones exist only as codes), so logits after a trim would differ
+        from a cache that never saw the trimmed tokens."""
+        return not self.fp_window
 
     def trim(self, n: int) -> int:
+        n = _check_trim(n)
+        if self.fp_window and n:
+            raise ValueError(f"a cache with fp_window={self.fp_window} cannot be trimmed exactly "
+                             "(is_trimmable() is False): the tokens that would re-enter the "
+                             "full-precision window are held only as codes")
         n = min(self.offset, n)
         self.offset -= n
         if self.fp_window and self.recent_keys is not None:
@@ -247,16 +271,23 @@ class TurboQuantKVCache:
     # ---------------------------------------------------------------- state
     @property
     def state(self):
+        """(key code fields, value code fields, exact tokens, meta JSON): the code fields map
+        names to (B, H, T, w) arrays; exact tokens are ``k``/``v`` (the recent window) and
+        ``sk``/``sv`` (sinks) as (B, H, t, D) arrays. Unlike mlx-lm's ``KVCache`` (whose
+        state is (keys, values)) this is a tree of code fields; the fourth entry, the JSON of
+        ``meta_state``, lets a file written by ``mlx_lm.save_prompt_cache`` be rebuilt by
+        ``turboquant.load_prompt_cache``."""
+        meta = json.dumps(self.meta_state)
         if self.keys is None:
-            return {}, {}, {}
+            return {}, {}, {}, meta
         rec = {"k": self.recent_keys, "v": self.recent_values} if self.fp_window and self.recent_keys is not None else {}
         if self.sink_keys is not None:
             rec.update(sk=self.sink_keys, sv=self.sink_values)
-        return self.keys.slice(0, self.offset).fields, self.values.slice(0, self.offset).fields, rec
+        return self.keys.slice(0, self.offset).fields, self.values.slice(0, self.offset).fields, rec, meta
 
     @state.setter
     def state(self, v):
-        k, val, rec = v
+        k, val, rec = v[:3]
         self.keys = CodeBuffer(k) if k else None
         self.values = CodeBuffer(val) if val else None
         self.recent_keys, self.recent_values = rec.get("k"), rec.get("v")
@@ -278,11 +309,27 @@ class TurboQuantKVCache:
         self.dtype = getattr(mx, m["dtype"])
 
     @classmethod
-    def from_state(cls, state, meta_state):
+    def from_state(cls, state, meta_state=None):
+        """Rebuild a cache from ``state`` and ``meta_state`` (taken from ``state``'s fourth
+        entry when not given, as for files written by ``mlx_lm.save_prompt_cache``)."""
+        if meta_state is None:
+            if len(state) < 4 or not isinstance(state[3], str):
+                raise ValueError("this state carries no meta_state: pass it explicitly")
+            meta_state = json.loads(state[3])
         obj = cls.__new__(cls)
+        obj.n_layers = None
         obj.meta_state = meta_state
         obj.state = state
         return obj
+
+    def __deepcopy__(self, memo):
+        """An independent copy: arrays copied, codecs rebuilt from their configurations
+        (mlx-lm deep-copies prompt caches in its server, batch generator and evaluation)."""
+        state = tuple({n: _copy_array(a) for n, a in part.items()} for part in self.state[:3])
+        new = type(self).from_state(state, self.meta_state)
+        new.n_layers = self.n_layers
+        memo[id(self)] = new
+        return new
 
 
 class TurboQuantRotatingKVCache(TurboQuantKVCache):
@@ -365,7 +412,7 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
         return self.offset < self.max_size
 
     def trim(self, n: int) -> int:
-        n = min(self.offset, n)
+        n = min(self.offset, _check_trim(n))
         self.offset -= n
         self._idx -= n
         return n
@@ -389,13 +436,14 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
 
     @property
     def state(self):
+        meta = json.dumps(self.meta_state)
         if self.keys is None:
-            return {}, {}, {}
-        return self.keys.fields, self.values.fields, {}
+            return {}, {}, {}, meta
+        return self.keys.fields, self.values.fields, {}, meta
 
     @state.setter
     def state(self, v):
-        k, val, _ = v
+        k, val = v[:2]
         self.keys = CodeBuffer(k) if k else None
         self.values = CodeBuffer(val) if val else None
         self.recent_keys = self.recent_values = self.sink_keys = self.sink_values = None

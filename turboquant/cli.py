@@ -1,8 +1,12 @@
-"""Command line.
+"""turboquant: KV-cache compression for long-context inference in MLX.
 
-  turboquant memory   KV-cache bytes for a model preset (Chapter 1's formula)
-  turboquant model    convert (once) and check the default real model, offline
-  turboquant eval     compare cache configurations on the default model (Chapter 9)
+commands:
+  turboquant memory    KV-cache bytes for a model preset (Chapter 1's formula)
+  turboquant model     convert (once) and check the default real model, offline
+  turboquant eval      compare cache configurations on the default model (Chapter 9)
+  turboquant kernels   which fused-kernel back-end is used, its self-check, a decode benchmark
+
+Run `turboquant COMMAND --help` for the options of each.
 """
 from __future__ import annotations
 
@@ -12,6 +16,30 @@ import sys
 from pathlib import Path
 
 from . import memory
+
+
+def _int_at_least(lo: int):
+    """An argparse type: an int >= lo (argparse turns the ValueError into a usage error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+    parse.__name__ = f"int >= {lo}"
+    return parse
+
+
+def _bits(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bits, got {text!r}") from None
+    if not 0 < value <= 32:
+        raise argparse.ArgumentTypeError(f"bits must be in (0, 32], got {text}")
+    return value
 
 
 def _memory(args) -> int:
@@ -43,7 +71,6 @@ def _model(args) -> int:
 
 
 def _eval(args) -> int:
-    from .models import load_default
     from .suite import CHAPTER_CONFIGS, CONFIGS, evaluate, frontier_rows
     if args.list:
         for name, c in CONFIGS.items():
@@ -51,6 +78,14 @@ def _eval(args) -> int:
         return 0
     names = list(CONFIGS) if args.configs == ["all"] else (
         list(CHAPTER_CONFIGS) if args.configs == ["chapter"] else args.configs)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        args.parser.error(f"argument --configs: unknown configuration(s) {', '.join(map(repr, unknown))}; "
+                          f"valid: 'chapter', 'all', " + ", ".join(repr(n) for n in CONFIGS))
+    if args.tokens < args.window:
+        args.parser.error(f"argument --tokens: {args.tokens} tokens are fewer than one --window of "
+                          f"{args.window}; give --tokens >= --window")
+    from .models import load_default
     if "fp32" not in names:
         names = ["fp32"] + names          # the reference every increase is measured against
     model, tok = load_default()
@@ -98,16 +133,18 @@ def _kernels(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="turboquant", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="turboquant", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           title="commands", help="one of:")
     m = sub.add_parser("memory", help="KV-cache bytes for a model preset (Chapter 1's formula)")
     m.add_argument("--preset", choices=sorted(memory.PRESETS), default="llama-3.1-8b")
-    m.add_argument("--context", type=int, nargs="+", default=[4096, 32768, 131072])
-    m.add_argument("--bits", type=float, nargs="+", default=[16, 8, 4, 3, 2])
+    m.add_argument("--context", type=_int_at_least(1), nargs="+", default=[4096, 32768, 131072])
+    m.add_argument("--bits", type=_bits, nargs="+", default=[16, 8, 4, 3, 2])
     m.add_argument("--side", choices=["none", "norm", "affine"], default="norm",
                    help="side information per vector for bits < 16 (default: one fp16 norm)")
-    m.add_argument("--group-size", type=int, default=64, help="affine group size for --side affine")
-    m.add_argument("--batch", type=int, default=1)
+    m.add_argument("--group-size", type=_int_at_least(1), default=64, help="affine group size for --side affine")
+    m.add_argument("--batch", type=_int_at_least(1), default=1)
     m.set_defaults(run=_memory)
 
     d = sub.add_parser("model", help="convert (once) and check the default model offline")
@@ -115,19 +152,19 @@ def main(argv=None) -> int:
                    "(default: $TURBOQUANT_CACHE/models/SmolLM2-135M-Instruct)")
     d.add_argument("--prompt", default="The capital of France is")
     d.add_argument("--expect", default="Paris", help="fail unless the continuation contains this ('' to skip)")
-    d.add_argument("--max-tokens", type=int, default=8)
+    d.add_argument("--max-tokens", type=_int_at_least(1), default=8)
     d.set_defaults(run=_model)
 
     e = sub.add_parser("eval", help="perplexity, agreement, fidelity and needle per cache configuration")
     e.add_argument("--configs", nargs="+", default=["chapter"],
                    help="configuration names, 'chapter' (default) or 'all'; see --list")
     e.add_argument("--list", action="store_true", help="list the configurations and exit")
-    e.add_argument("--tokens", type=int, default=1024, help="tokens scored for perplexity")
-    e.add_argument("--window", type=int, default=512, help="scoring window (a fresh cache each)")
-    e.add_argument("--chunk", type=int, default=128, help="prefill chunk size")
-    e.add_argument("--agreement-tokens", type=int, default=16, help="greedy tokens for top-1 agreement")
-    e.add_argument("--fidelity-tokens", type=int, default=512, help="tokens captured for per-layer fidelity (0: skip)")
-    e.add_argument("--needle-contexts", type=int, nargs="*", default=[], help="needle test context lengths")
+    e.add_argument("--tokens", type=_int_at_least(2), default=1024, help="tokens scored for perplexity")
+    e.add_argument("--window", type=_int_at_least(2), default=512, help="scoring window (a fresh cache each)")
+    e.add_argument("--chunk", type=_int_at_least(1), default=128, help="prefill chunk size")
+    e.add_argument("--agreement-tokens", type=_int_at_least(0), default=16, help="greedy tokens for top-1 agreement (0: skip)")
+    e.add_argument("--fidelity-tokens", type=_int_at_least(0), default=512, help="tokens captured for per-layer fidelity (0: skip)")
+    e.add_argument("--needle-contexts", type=_int_at_least(64), nargs="*", default=[], help="needle test context lengths")
     e.add_argument("--corpus", choices=["wikipedia", "lee"], default="wikipedia")
     e.add_argument("--out", default=None, help="write the results as JSON here")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -136,10 +173,11 @@ def main(argv=None) -> int:
     k = sub.add_parser("kernels", help="which fused-kernel back-end is used, its self-check, and a decode benchmark")
     k.add_argument("--emulated", action="store_true", help="check the kernel bodies through their C++ build (CPU)")
     k.add_argument("--bench", action="store_true", help="time decode attention: kernels vs the mx path vs SDPA")
-    k.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384], help="cache lengths for --bench")
-    k.add_argument("--repeats", type=int, default=5)
+    k.add_argument("--tokens", type=_int_at_least(1), nargs="+", default=[1024, 4096, 16384], help="cache lengths for --bench")
+    k.add_argument("--repeats", type=_int_at_least(1), default=5)
     k.set_defaults(run=_kernels)
     args = p.parse_args(argv)
+    args.parser = {"memory": m, "model": d, "eval": e, "kernels": k}[args.command]
     return args.run(args)
 
 

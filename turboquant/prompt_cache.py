@@ -1,29 +1,57 @@
 """Building, converting, saving and loading TurboQuant prompt caches (Chapter 7)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from .cache import TurboQuantKVCache, TurboQuantRotatingKVCache
-from .codecs.base import Codec, from_config
+from .codecs.base import Codec, check_int, from_config
 from .codecs.scalar import TurboQuantMSE
 
-__all__ = ["make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prompt_cache",
+__all__ = ["make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prompt_cache", "model_geometry",
+           "check_layers",
            "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "turboquant-prompt-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # 2 adds a content checksum; version-1 files are still read
 CodecSpec = Union[Codec, dict, Callable[[int], Codec], None]
 
 
 def _head_dim(model) -> int:
     a = model.args
     return getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+
+
+def model_geometry(model) -> tuple[int, int, int]:
+    """(layers, kv heads, head size) of an mlx-lm model."""
+    a = model.args
+    kv = getattr(a, "num_key_value_heads", None) or a.num_attention_heads
+    return len(model.layers), int(kv), int(_head_dim(model))
+
+
+def _tag(cache: list) -> list:
+    """Tell each TurboQuant cache the length of its list (``codes_attention`` checks it
+    against the model's layers)."""
+    for c in cache:
+        if isinstance(c, TurboQuantKVCache):
+            c.n_layers = len(cache)
+    return cache
+
+
+def check_layers(cache: list, model) -> None:
+    """Raise unless ``cache`` has one entry per layer of ``model`` (mlx-lm zips layers and
+    caches, so a shorter list silently runs the model without its last layers)."""
+    n = len(model.layers)
+    if len(cache) != n:
+        raise ValueError(f"the prompt cache has {len(cache)} layers, the model has {n}")
 
 
 def _codec(spec: CodecSpec, dim: int, default_bits: int = 4) -> Codec:
@@ -47,16 +75,26 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
                       bits: Optional[float] = None) -> list:
     """The right TurboQuant cache for each layer of an mlx-lm model.
 
-    Layers whose mlx-lm cache is a ``RotatingKVCache`` (sliding-window layers, or every layer
-    when ``max_kv_size`` is given) get a ``TurboQuantRotatingKVCache`` with the same
-    ``max_size`` and ``keep``; ``KVCache`` layers get a ``TurboQuantKVCache``. Other cache
-    kinds (SSM states, …) are kept as mlx-lm makes them.
+    Layers whose mlx-lm cache is a ``RotatingKVCache`` (sliding-window layers) get a
+    ``TurboQuantRotatingKVCache`` with the same ``max_size`` and ``keep``; ``KVCache`` layers
+    get a ``TurboQuantKVCache``. With ``max_kv_size`` every layer gets a rotating cache of at
+    most that many tokens (``keep=4`` as in mlx-lm; a sliding-window layer keeps its own
+    window if it is smaller) — for every model, including those whose ``make_cache`` makes
+    mlx-lm ignore ``max_kv_size``. Other cache kinds (SSM states, …) are kept as mlx-lm
+    makes them.
+
+    ``fp_window`` and ``sink_tokens`` apply to the plain (global) layers only: a rotating
+    cache holds every token as codes, so with rotating layers present they are ignored there
+    with a warning.
 
     ``bits`` asks for a memory budget instead of codecs: the best configuration measured in
     Chapter 9 with at most that many bits per coordinate (``turboquant.budget``; e.g. 4.25
     → centered 4-bit keys, 4-bit values, one sink token). It cannot be combined with
     ``key_codec``/``value_codec``/``sink_tokens``.
     """
+    if max_kv_size is not None:
+        max_kv_size = check_int("max_kv_size", max_kv_size, 1)
+    fp_window, sink_tokens = check_int("fp_window", fp_window, 0), check_int("sink_tokens", sink_tokens, 0)
     if bits is not None:
         from .budget import codecs_for, pick
         if key_codec is not None or value_codec is not None or sink_tokens:
@@ -66,24 +104,37 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
         sink_tokens = choice.sink_tokens
     dim = _head_dim(model)
     reference = mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
-    out = []
+    out, rotating = [], 0
     for c in reference:
         kc, vc = _codec(key_codec, dim), _codec(value_codec if value_codec is not None else key_codec, dim)
         if isinstance(kc, Codec) and hasattr(kc, "fit") and kc is vc:
             vc = from_config(kc.config())
         if isinstance(c, mlx_cache.RotatingKVCache):
-            out.append(TurboQuantRotatingKVCache(c.max_size, kc, vc, keep=c.keep))
+            size = c.max_size if max_kv_size is None else min(c.max_size, max_kv_size)
+            out.append(TurboQuantRotatingKVCache(size, kc, vc, keep=min(c.keep, size - 1)))
+            rotating += 1
+        elif isinstance(c, mlx_cache.KVCache) and max_kv_size is not None:
+            out.append(TurboQuantRotatingKVCache(max_kv_size, kc, vc, keep=min(4, max_kv_size - 1)))
+            rotating += 1
         elif isinstance(c, mlx_cache.KVCache):
             out.append(TurboQuantKVCache(kc, vc, fp_window=fp_window, sink_tokens=sink_tokens))
         else:
             out.append(c)
-    return out
+    if rotating and (fp_window or sink_tokens):
+        warnings.warn(f"fp_window={fp_window} and sink_tokens={sink_tokens} apply to plain "
+                      f"(global) layers only; the {rotating} rotating (sliding-window) layers of "
+                      "this cache hold every token as codes", UserWarning, stacklevel=2)
+    return _tag(out)
 
 
 def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSpec = None,
-                  fp_window: int = 0) -> list:
+                  fp_window: int = 0, model=None) -> list:
     """Convert filled mlx-lm caches (``KVCache``, ``RotatingKVCache``) into TurboQuant ones,
-    encoding what they hold; other entries are returned unchanged."""
+    encoding what they hold; other entries are returned unchanged. With ``model``, the
+    number of caches is checked against its layers."""
+    if model is not None:
+        check_layers(cache, model)
+    fp_window = check_int("fp_window", fp_window, 0)
     out = []
     for c in cache:
         if not isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)) or c.empty():
@@ -104,95 +155,250 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
             new._idx = c._idx                     # same ring layout as the source cache
         new._update_recent(k, v)
         out.append(new)
-    return out
+    return _tag(out)
+
+
+def _digest(header_json: str, arrays: dict) -> str:
+    """SHA-256 over the header and every tensor (name, dtype, shape, bytes), in name order."""
+    h = hashlib.sha256(header_json.encode())
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(f"\0{name}\0{a.dtype}\0{tuple(a.shape)}\0".encode())
+        flat = a.reshape(-1)
+        h.update(np.array(flat.view(mx.uint16) if a.dtype == mx.bfloat16 else flat).tobytes())
+    return h.hexdigest()
 
 
 def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None) -> None:
-    """Save TurboQuant caches (codes, codec configurations, offsets) to a safetensors file,
-    atomically: the file at ``path`` is replaced only once the new one is complete."""
-    if not all(isinstance(c, TurboQuantKVCache) for c in cache):
-        raise TypeError("save_prompt_cache saves TurboQuant caches only; use mlx_lm's for others")
-    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    """Save TurboQuant caches (codes, codec configurations, offsets, a SHA-256 of it all) to
+    a safetensors file at exactly ``path`` (any name: ``.safetensors`` is not appended),
+    atomically: the file at ``path`` is replaced only once the new one is complete. Load it
+    with ``turboquant.load_prompt_cache`` (mlx-lm's loader does not know these classes)."""
+    if not isinstance(cache, (list, tuple)) or not all(isinstance(c, TurboQuantKVCache) for c in cache):
+        raise TypeError("save_prompt_cache saves a list of TurboQuant caches only; use mlx_lm's for others")
+    if metadata is not None and (not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise TypeError("metadata must map str to str")
     arrays, layers = {}, []
     for i, c in enumerate(cache):
-        k, v, rec = c.state
+        k, v, rec = c.state[:3]
         for group, fields in (("k", k), ("v", v), ("r", rec)):
             for name, a in fields.items():
                 if a is not None:
                     arrays[f"{i}.{group}.{name}"] = a
         layers.append(c.meta_state)
-    header = {"format": FORMAT, "version": FORMAT_VERSION, "layers": layers, "user": metadata or {}}
+    header = json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "layers": layers, "user": metadata or {}})
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.safetensors")
-    mx.save_safetensors(str(tmp), arrays, {"turboquant": json.dumps(header)})
+    mx.save_safetensors(str(tmp), arrays, {"turboquant": header, "turboquant_sha256": _digest(header, arrays)})
     os.replace(tmp, path)
 
 
-def load_prompt_cache(path, return_metadata: bool = False):
-    """Load caches written by ``save_prompt_cache``; a truncated, corrupt or incompatible file
-    raises ``ValueError`` naming the problem."""
+def load_prompt_cache(path, return_metadata: bool = False, model=None):
+    """Load caches written by ``save_prompt_cache`` (or TurboQuant caches written by
+    ``mlx_lm.save_prompt_cache``). The whole file is validated before anything is built:
+    format and version, the checksum, every layer's settings (the constructors' rules),
+    every expected tensor present with the dtype and shape its configuration implies, no
+    orphan tensors. With ``model``, its layer count, kv heads and head size must match.
+    Every problem raises ``ValueError`` naming the field."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no prompt cache at {path}")
     try:
-        arrays, meta = mx.load(str(path), return_metadata=True)
+        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
     except Exception as e:  # mlx raises RuntimeError/ValueError for damaged files
         raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+    if "turboquant" not in meta:
+        cache, user = _load_mlx_lm_layout(path, arrays, meta)
+    else:
+        cache, user = _load_turboquant_layout(path, arrays, meta)
+    if model is not None:
+        _check_model(path, cache, model)
+    _tag(cache)
+    return (cache, user) if return_metadata else cache
+
+
+def _check_model(path, cache, model) -> None:
+    n, kv, d = model_geometry(model)
+    if len(cache) != n:
+        raise ValueError(f"{path}: the cache has {len(cache)} layers, the model has {n}")
+    for i, c in enumerate(cache):
+        if isinstance(c, TurboQuantKVCache) and c.keys is not None:
+            B, H = next(iter(c.keys.fields.values())).shape[:2]
+            if H != kv:
+                raise ValueError(f"{path}: layer {i} holds {H} kv heads, the model has {kv}")
+        dim = getattr(getattr(c, "key_codec", None), "dim", d)
+        if dim != d:
+            raise ValueError(f"{path}: layer {i} has head size {dim}, the model has {d}")
+
+
+def _load_turboquant_layout(path, arrays, meta):
     try:
         header = json.loads(meta["turboquant"])
-    except (KeyError, json.JSONDecodeError):
-        raise ValueError(f"{path} has no TurboQuant header: not written by turboquant.save_prompt_cache") from None
+    except json.JSONDecodeError:
+        raise ValueError(f"{path}: the TurboQuant header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header must be a JSON object, got {type(header).__name__}")
     if header.get("format") != FORMAT:
         raise ValueError(f"{path}: unknown format {header.get('format')!r}")
-    if header.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format version {header.get('version')!r}, this turboquant reads {FORMAT_VERSION}")
-    classes = {"TurboQuantKVCache": TurboQuantKVCache, "TurboQuantRotatingKVCache": TurboQuantRotatingKVCache}
+    version = header.get("version")
+    if version not in (1, FORMAT_VERSION):
+        raise ValueError(f"{path}: format version {version!r}, this turboquant reads 1..{FORMAT_VERSION}")
+    if version >= 2:
+        if "turboquant_sha256" not in meta:
+            raise ValueError(f"{path}: the checksum (turboquant_sha256) is missing")
+        if _digest(meta["turboquant"], arrays) != meta["turboquant_sha256"]:
+            raise ValueError(f"{path}: checksum mismatch: the header or a tensor was changed or damaged")
+    layers, user = header.get("layers"), header.get("user", {})
+    if not isinstance(layers, list):
+        raise ValueError(f"{path}: 'layers' must be a list of layer settings, got {type(layers).__name__}")
+    if not isinstance(user, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in user.items()):
+        raise ValueError(f"{path}: 'user' metadata must map str to str")
+    groups = [{g: {} for g in "kvr"} for _ in layers]
+    for name, a in arrays.items():
+        parts = name.split(".", 2)
+        if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) >= len(layers) or parts[1] not in "kvr" \
+                or len(parts[1]) != 1 or not parts[2]:
+            raise ValueError(f"{path}: orphan tensor {name!r} (expected 'LAYER.k|v|r.FIELD' with LAYER < {len(layers)})")
+        groups[int(parts[0])][parts[1]][parts[2]] = a
     cache = []
-    for i, m in enumerate(header["layers"]):
-        if m.get("class") not in classes:
-            raise ValueError(f"{path}: layer {i} has unknown cache class {m.get('class')!r}")
-        groups = {g: {} for g in "kvr"}
-        for name, a in arrays.items():
-            li, g, field = name.split(".", 2)
-            if int(li) == i:
-                groups[g][field] = a
+    for i, (m, g) in enumerate(zip(layers, groups)):
         try:
-            c = classes[m["class"]].from_state((groups["k"], groups["v"], groups["r"]), m)
-            _validate(c, i)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: layer {i} is inconsistent: {e}") from None
-        cache.append(c)
-    return (cache, header["user"]) if return_metadata else cache
+            cache.append(_build_layer(m, (g["k"], g["v"], g["r"])))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{path}: layer {i}: {e}") from None
+    return cache, dict(user)
 
 
-def _validate(c: TurboQuantKVCache, i: int) -> None:
-    """Check a loaded cache against its codecs: field names, widths, dtypes, lengths."""
-    if c.keys is None:
-        if c.offset:
-            raise ValueError(f"offset {c.offset} but no codes")
+def _load_mlx_lm_layout(path, arrays, meta):
+    """A file written by ``mlx_lm.save_prompt_cache``: class names and scalars in the
+    metadata, each cache's ``state`` as a tree (ours carries its meta_state as JSON)."""
+    from mlx.utils import tree_unflatten
+    try:
+        user, classes, scalars = tree_unflatten(list(meta.items()))
+        arrays = dict(arrays)
+        for pos, kind in scalars[1:]:
+            a = arrays[pos]
+            arrays[pos] = (a.item() if kind == "scalar" else "".join(chr(c) for c in a.tolist())
+                           if kind == "string" else None)
+        states = tree_unflatten(list(arrays.items())) if arrays else []
+    except Exception:
+        raise ValueError(f"{path} has no TurboQuant header and is not a prompt cache written by "
+                         "mlx_lm.save_prompt_cache") from None
+    cache = []
+    for i, name in enumerate(classes):
+        state = states[i] if i < len(states) else ()
+        try:
+            if name in _CLASSES:
+                if not isinstance(state, (list, tuple)) or len(state) != 4 or not isinstance(state[3], str):
+                    raise ValueError("its state has no meta_state (saved by an older turboquant?)")
+                fields = tuple(dict(p) if isinstance(p, dict) else {} for p in state[:3])
+                cache.append(_build_layer(json.loads(state[3]), fields))
+            elif hasattr(mlx_cache, name):
+                cache.append(getattr(mlx_cache, name).from_state(state))
+            else:
+                raise ValueError(f"unknown cache class {name!r}")
+        except (KeyError, TypeError, ValueError, AttributeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: layer {i}: {e}") from None
+    return cache, dict(user) if isinstance(user, dict) else {}
+
+
+_CLASSES = {"TurboQuantKVCache": TurboQuantKVCache, "TurboQuantRotatingKVCache": TurboQuantRotatingKVCache}
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def _setting(m: dict, key: str, lo: int = 0, hi: Optional[int] = None, default=None) -> int:
+    if key not in m:
+        if default is not None:
+            return default
+        raise ValueError(f"setting {key!r} is missing")
+    return check_int(key, m[key], lo, hi)
+
+
+def _codec_from(config, field: str) -> Codec:
+    if not isinstance(config, dict) or not isinstance(config.get("codec"), str):
+        raise ValueError(f"{field} must be a codec configuration (a mapping with a 'codec' name), got {config!r}")
+    try:
+        return from_config(config)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{field}: {e}") from None
+
+
+def _check_indices(codec: Codec, fields: dict, group: str) -> None:
+    """Vector codebooks whose size is not a power of two leave index values unused: a code
+    that names one would index past the codebook."""
+    inner = getattr(codec, "inner", codec)
+    n = getattr(inner, "n_codewords", None)
+    if n is None or n == 1 << inner.index_bits or "idx" not in fields:
         return
-    for codec, buf in ((c.key_codec, c.keys), (c.value_codec, c.values)):
-        B, H = next(iter(buf.fields.values())).shape[:2]
-        ref = codec.encode(mx.ones((1, H, 1, codec.dim))).arrays
-        if set(buf.fields) != set(ref):
-            raise ValueError(f"code fields {sorted(buf.fields)} do not match {codec!r}")
-        for name, a in ref.items():
-            f = buf.fields[name]
-            if f.ndim != 4 or f.shape[3] != a.shape[-1] or f.dtype != a.dtype:
-                raise ValueError(f"field {name!r} has shape {f.shape} / {f.dtype}, {codec!r} "
-                                 f"writes width {a.shape[-1]} / {a.dtype}")
-    shapes = {f.shape[:3] for f in (*c.keys.fields.values(), *c.values.fields.values())}
-    if len(shapes) != 1:
-        raise ValueError(f"code fields disagree in (B, H, T): {sorted(shapes)}")
-    n = shapes.pop()[2]
-    if isinstance(c, TurboQuantRotatingKVCache):
-        if not (0 < n <= max(c.offset, c.max_size) and 0 <= c._idx <= n):
-            raise ValueError(f"{n} stored tokens, offset {c.offset}, ring index {c._idx}, max_size {c.max_size}")
-    elif n != c.offset:
-        raise ValueError(f"{n} stored tokens for offset {c.offset}")
-    if c.recent_keys is not None and c.recent_keys.shape[2] > min(c.fp_window, c.offset):
-        raise ValueError("full-precision window longer than fp_window or offset")
-    if c.sink_keys is not None and (c.sink_keys.shape[2] > min(c.sink_tokens, c.offset)
-                                    or c.sink_values is None or c.sink_values.shape != c.sink_keys.shape):
-        raise ValueError("sink tokens inconsistent with sink_tokens, offset or each other")
+    from .packing import unpack
+    idx = unpack(fields["idx"], inner.index_bits, inner.dim // inner.k)
+    if idx.size and mx.max(idx).item() >= n:
+        raise ValueError(f"tensor {group}.idx names codeword {mx.max(idx).item()}, the codebook has {n}")
+
+
+def _build_layer(m, state) -> TurboQuantKVCache:
+    """Validate one layer's settings and tensors, then build its cache."""
+    if not isinstance(m, dict):
+        raise ValueError(f"layer settings must be a mapping, got {type(m).__name__}")
+    cls = _CLASSES.get(m.get("class"))
+    if cls is None:
+        raise ValueError(f"unknown cache class {m.get('class')!r}")
+    offset = _setting(m, "offset")
+    fp_window = _setting(m, "fp_window")
+    sink = _setting(m, "sink_tokens", default=0)
+    if m.get("dtype") not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {m.get('dtype')!r}")
+    dtype = _DTYPES[m["dtype"]]
+    kcodec, vcodec = _codec_from(m.get("key_codec"), "key_codec"), _codec_from(m.get("value_codec"), "value_codec")
+    if cls is TurboQuantRotatingKVCache:
+        max_size = _setting(m, "max_size", 1)
+        keep = _setting(m, "keep", 0, max_size - 1)
+        idx = _setting(m, "idx", 0)
+        if fp_window or sink:
+            raise ValueError("a rotating cache has no fp_window or sink tokens")
+    k, v, rec = state
+    if not offset:
+        if k or v or rec:
+            raise ValueError("offset 0 but tensors are present")
+        return cls.from_state(({}, {}, {}), m)
+    B = H = T = None
+    for group, codec, fields in (("k", kcodec, k), ("v", vcodec, v)):
+        if not fields:
+            raise ValueError(f"offset {offset} but no {'key' if group == 'k' else 'value'} codes")
+        first = next(iter(fields.values()))
+        if first.ndim != 4:
+            raise ValueError(f"code fields must be (B, H, T, width), got {tuple(first.shape)}")
+        B, H, T = first.shape[:3] if B is None else (B, H, T)
+        expected = codec.encode(mx.zeros((1, H, 1, codec.dim))).arrays
+        if set(fields) != set(expected):
+            raise ValueError(f"{group} code fields {sorted(fields)} do not match {codec!r}: expected {sorted(expected)}")
+        for name, a in expected.items():
+            f = fields[name]
+            want = (B, H, T, a.shape[-1])
+            if tuple(f.shape) != want or f.dtype != a.dtype:
+                raise ValueError(f"tensor {group}.{name} is {tuple(f.shape)} {f.dtype}; its configuration "
+                                 f"implies {want} {a.dtype}")
+        _check_indices(codec, fields, group)
+    if cls is TurboQuantRotatingKVCache:
+        if T < min(offset, max_size) or (T > max_size and idx != T) or idx > T or (T > offset and T > max_size):
+            raise ValueError(f"{T} stored tokens do not fit offset {offset}, max_size {max_size}, ring index {idx}")
+        if rec:
+            raise ValueError(f"a rotating cache holds no exact tokens, found {sorted(rec)}")
+    else:
+        if T != offset:
+            raise ValueError(f"{T} stored tokens for offset {offset}")
+        want = {}
+        if fp_window:
+            want.update(k=min(fp_window, offset), v=min(fp_window, offset))
+        if sink:
+            want.update(sk=min(sink, offset), sv=min(sink, offset))
+        if set(rec) != set(want):
+            raise ValueError(f"exact-token tensors {sorted(rec)} do not match fp_window={fp_window}, "
+                             f"sink_tokens={sink}: expected {sorted(want)}")
+        for name, t in want.items():
+            a = rec[name]
+            if tuple(a.shape) != (B, H, t, kcodec.dim if name in ("k", "sk") else vcodec.dim) or a.dtype != dtype:
+                raise ValueError(f"exact tensor r.{name} is {tuple(a.shape)} {a.dtype}; expected "
+                                 f"({B}, {H}, {t}, D) {dtype}")
+    return cls.from_state(state, m)

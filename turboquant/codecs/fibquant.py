@@ -121,17 +121,51 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("TURBOQUANT_CACHE", Path.home() / ".cache" / "turboquant"))
 
 
+# Seconds per (training sample × codeword × (k + 2)) of a build on a 2-core CPU (measured:
+# 2.2–4.7e-7 for N = 64…1024); builds estimated beyond MAX_BUILD_SECONDS are refused.
+_SECONDS_PER_UNIT = 3e-7
+MAX_BUILD_SECONDS = 600.0
+_built: set = set()
+
+
+def _n_train(k: int, n: int) -> int:
+    return max(20000, 100 * n) // max(1, k // 8)
+
+
+def build_seconds(dim: int, k: int, n: int, restarts: int = 4) -> float:
+    """Rough seconds to build a codebook of N codewords in blocks of k on this kind of CPU
+    (Lloyd iterations over n_train samples for each of ``restarts`` starts)."""
+    return _SECONDS_PER_UNIT * _n_train(k, n) * n * (k + 2) * max(1, restarts) / 4
+
+
+def _path(dim, k, n, seed, restarts) -> Path:
+    return _cache_dir() / "fibquant" / f"v{CODEBOOK_VERSION}_D{dim}_k{k}_N{n}_s{seed}_r{restarts}.npz"
+
+
 def fibquant_codebook(dim: int, k: int, n: int, seed: int = 0, restarts: int = 4,
                       use_disk: bool = True) -> VectorCodebook:
     """The refined FibQuant codebook for (D, k, N, seed): memory cache, then disk cache
-    (``$TURBOQUANT_CACHE`` or ~/.cache/turboquant), then built (and saved)."""
+    (``$TURBOQUANT_CACHE`` or ~/.cache/turboquant), then built (and saved). A build longer
+    than a couple of seconds shows a progress bar; one estimated beyond
+    ``MAX_BUILD_SECONDS`` is refused with the estimate (``ValueError``)."""
     _check(dim, k, n)
-    return _codebook(int(dim), int(k), int(n), int(seed), int(restarts), bool(use_disk))
+    seed, restarts = check_int("seed", seed, 0), check_int("restarts", restarts, 1)
+    key = (int(dim), int(k), int(n), seed, restarts, bool(use_disk))
+    if key not in _built and not (use_disk and _path(*key[:5]).exists()):
+        est = build_seconds(dim, k, n, restarts)
+        if est > MAX_BUILD_SECONDS:
+            raise ValueError(f"a FibQuant codebook with N={n} codewords in blocks of k={k} would take "
+                             f"about {est:,.0f} s to build here (limit {MAX_BUILD_SECONDS:.0f} s, "
+                             f"turboquant.codecs.fibquant.MAX_BUILD_SECONDS): use fewer bits per "
+                             f"coordinate or a smaller k")
+    cb = _codebook(*key)
+    _built.add(key)
+    return cb
 
 
 @lru_cache(maxsize=64)
 def _codebook(dim, k, n, seed, restarts, use_disk) -> VectorCodebook:
-    path = _cache_dir() / "fibquant" / f"v{CODEBOOK_VERSION}_D{dim}_k{k}_N{n}_s{seed}_r{restarts}.npz"
+    path = _path(dim, k, n, seed, restarts)
     if use_disk and path.exists():
         try:
             z = np.load(path)
@@ -155,8 +189,10 @@ def _codebook(dim, k, n, seed, restarts, use_disk) -> VectorCodebook:
 
 def _build(dim, k, n, seed, restarts) -> VectorCodebook:
     import time
+
+    from tqdm.auto import tqdm
     t0 = time.perf_counter()
-    n_train = max(20000, 100 * n) // max(1, k // 8)
+    n_train = _n_train(k, n)
     train = sample_block(n_train, dim, k, seed=seed)
     valid = sample_block(n_train, dim, k, seed=seed + 10_000_019)
     init = spiral_codebook(dim, k, n)
@@ -164,7 +200,9 @@ def _build(dim, k, n, seed, restarts) -> VectorCodebook:
     init_mse = best_mse
     rng = np.random.default_rng([seed, dim, k, n])
     starts = [init] + [kmeans_pp(train, n, rng) for _ in range(max(0, restarts - 1))]
-    for r, start in enumerate(starts):
+    bar = tqdm(starts, desc=f"FibQuant codebook D={dim} k={k} N={n} (~{build_seconds(dim, k, n, restarts):.0f} s)",
+               unit="start", disable=build_seconds(dim, k, n, restarts) < 2.0, leave=False)
+    for r, start in enumerate(bar):
         c, _ = kmeans(train, start)
         m = float(nearest(valid, c)[1].mean())
         if m < best_mse:
