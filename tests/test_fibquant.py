@@ -118,5 +118,13 @@ def test_bad_configuration(kwargs, match):
 def test_long_inputs_are_chunked_not_materialized():
     c = FibQuant(64, k=2, n_codewords=256)
     x = mx.random.normal((40000, 64), key=mx.random.key(1))  # 1.28M blocks x 256 codewords
-    idx = c.quantize_rotated(c.rotation.apply(x / mx.linalg.norm(x, axis=-1, keepdims=True)))
+    y = c.rotation.apply(x / mx.linalg.norm(x, axis=-1, keepdims=True))
+    idx = c.quantize_rotated(y)
     assert idx.shape == (40000, 32)
+    # chunk boundaries change nothing: spot rows across the chunks against brute force
+    rows = np.r_[0:50, 16000:16050, 39950:40000]
+    blocks = np.array(y)[rows].reshape(-1, 2).astype(np.float64)
+    d = ((blocks[:, None, :] - np.array(c.codewords, dtype=np.float64)[None]) ** 2).sum(-1)
+    best = d.min(-1)
+    got = d[np.arange(len(d)), np.array(idx)[rows].reshape(-1)]
+    assert np.all(got <= best + 1e-6)

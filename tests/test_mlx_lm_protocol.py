@@ -1,0 +1,159 @@
+"""mlx-lm's own prompt-cache tests, adapted to TurboQuant caches (issue #13.17).
+
+Adapted from ml-explore/mlx-lm ``tests/test_prompt_cache.py`` (Apple, MIT licence): the same
+scenarios — save/load, rotating save/load then further updates, generation through a cache
+split across calls, trimming counts, trim-then-generate, deep copies — run on our caches
+with an exact codec (``Identity``) in place of ``KVCache``/``RotatingKVCache``, on a random
+tiny llama instead of a hub model (no network). Where our protocol differs on purpose it is
+tested as such: ``state`` is a tree of code fields plus the meta-state JSON, not
+(keys, values), so the equivalent check compares every field; files are read by
+``turboquant.load_prompt_cache``.
+"""
+import copy
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, RotatingKVCache, trim_prompt_cache
+
+import turboquant as tq
+from turboquant.models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+
+
+def exact(d=4):
+    return tq.Identity(d)
+
+
+def same_state(a, b):
+    for x, y in zip(a.state[:3], b.state[:3]):
+        assert sorted(x) == sorted(y)
+        assert all(mx.array_equal(x[n], y[n]).item() for n in x)
+
+
+def test_save_load(tmp_path):
+    cache = [tq.TurboQuantKVCache(exact()) for _ in range(4)]
+    for c in cache:
+        x = mx.random.uniform(shape=(1, 8, 10, 4))
+        c.update_and_fetch(x, x)
+    tq.save_prompt_cache(tmp_path / "p.safetensors", cache, {"a": "b", "c": "d"})
+    loaded, meta = tq.load_prompt_cache(tmp_path / "p.safetensors", return_metadata=True)
+    assert len(loaded) == len(cache) and meta == {"a": "b", "c": "d"}
+    for c, lc in zip(cache, loaded):
+        assert c.offset == lc.offset
+        same_state(c, lc)
+
+
+def test_save_load_rotating_cache(tmp_path):
+    path = tmp_path / "p.safetensors"
+    cache = [tq.TurboQuantRotatingKVCache(8, exact(), keep=2) for _ in range(4)]
+    for c in cache:
+        x = mx.random.uniform(shape=(1, 8, 10, 4))
+        c.update_and_fetch(x, x)
+    tq.save_prompt_cache(path, cache)
+    loaded = tq.load_prompt_cache(path)
+    assert len(loaded) == len(cache)
+    for c, lc in zip(cache, loaded):
+        assert (c.offset, c.keep, c.max_size, c.step) == (lc.offset, lc.keep, lc.max_size, lc.step)
+        same_state(c, lc)
+    for _ in range(2):                                   # single-token updates: a rotation
+        for c in cache:
+            x = mx.random.uniform(shape=(1, 8, 1, 4))
+            c.update_and_fetch(x, x)
+    tq.save_prompt_cache(path, cache)
+    loaded = tq.load_prompt_cache(path)
+    for c, lc in zip(cache, loaded):
+        x = mx.random.uniform(shape=(1, 8, 1, 4))
+        k, v = c.update_and_fetch(x, x)
+        lk, lv = lc.update_and_fetch(x, x)
+        assert c.offset == lc.offset and mx.array_equal(k, lk).item() and mx.array_equal(v, lv).item()
+
+
+def test_cache_with_generate(model):
+    prompt = mx.array([5, 17, 99, 3, 42, 8])
+    toks, all_logits = zip(*list(generate_step(prompt, model, max_tokens=4)))
+    cache = tq.make_prompt_cache(model, key_codec=lambda d: tq.Identity(d))
+    i = 0
+    for tok, logits in generate_step(prompt, model, prompt_cache=cache, max_tokens=2):
+        assert tok == toks[i] and mx.allclose(logits, all_logits[i], atol=1e-5).item()
+        i += 1
+    for tok, logits in generate_step(mx.array([toks[i]]), model, prompt_cache=cache, max_tokens=1):
+        i += 1
+        assert tok == toks[i] and mx.allclose(logits, all_logits[i], atol=1e-5).item()
+
+
+def test_trim_cache():
+    cache = [tq.TurboQuantKVCache(exact()) for _ in range(2)]
+    for c in cache:
+        x = mx.random.uniform(shape=(1, 8, 10, 4))
+        c.update_and_fetch(x, x)
+    assert trim_prompt_cache(cache, 7) == 7
+    assert trim_prompt_cache(cache, 4) == 3                # more than remain
+    cache = [tq.TurboQuantKVCache(exact()), tq.TurboQuantKVCache(exact(), fp_window=2)]
+    for c in cache:
+        x = mx.random.uniform(shape=(1, 8, 10, 4))
+        c.update_and_fetch(x, x)
+    assert trim_prompt_cache(cache, 1) == 0                # all caches have to be trimmable
+    cache = [tq.TurboQuantRotatingKVCache(6, exact()) for _ in range(2)]
+    for c in cache:
+        x = mx.random.uniform(shape=(1, 8, 5, 4))
+        c.update_and_fetch(x, x)
+    assert trim_prompt_cache(cache, 4) == 4
+    for c in cache:                                       # past max_size: no longer trimmable
+        x = mx.random.uniform(shape=(1, 8, 10, 4))
+        c.update_and_fetch(x, x)
+    assert trim_prompt_cache(cache, 4) == 0
+
+
+def test_trim_cache_with_generate(model):
+    prompt = mx.array([5, 17, 99, 3, 42, 8])
+    cache = tq.make_prompt_cache(model, key_codec=lambda d: tq.TurboQuantMSE(d, 3))
+    last, _ = next(generate_step(prompt, model, prompt_cache=cache))
+    last = mx.array([last])
+    toks, logits = zip(*(r for _, r in zip(range(2), generate_step(last, model, prompt_cache=cache))))
+    trim_prompt_cache(cache, 3)                           # back to just after the prompt
+    toks2, logits2 = zip(*(r for _, r in zip(range(2), generate_step(last, model, prompt_cache=cache))))
+    assert toks == toks2 and all(mx.allclose(a, b).item() for a, b in zip(logits, logits2))
+
+
+def test_cache_copying():
+    cache = [tq.TurboQuantKVCache(exact())]
+    x = mx.random.uniform(shape=(1, 8, 10, 4))
+    cache[0].update_and_fetch(x, x)
+    y = mx.random.uniform(shape=(1, 8, 1, 4))
+    cache[0].update_and_fetch(y, y)
+    old = copy.deepcopy(cache)
+    trim_prompt_cache(cache, 1)
+    assert old[0].offset == 11 and cache[0].offset == 10
+    z = mx.random.uniform(shape=(1, 8, 1, 4))
+    k, _ = cache[0].update_and_fetch(z, z)
+    w = mx.random.uniform(shape=(1, 8, 1, 4))
+    ok, _ = old[0].update_and_fetch(w, w)
+    assert mx.allclose(ok[..., 10:11, :], y).item() and mx.allclose(k[..., 10:11, :], z).item()
+
+
+@pytest.mark.parametrize("max_size, steps", [(8, [20, 1, 1, 1]), (8, [3, 1, 1, 1, 1, 1, 1, 1])])
+def test_rotating_masks_and_updates_equal_mlx_lm(max_size, steps):
+    ours, ref = tq.TurboQuantRotatingKVCache(max_size, exact()), RotatingKVCache(max_size=max_size)
+    for s in steps:
+        x = mx.random.uniform(shape=(1, 2, s, 4))
+        k, _ = ours.update_and_fetch(x, x)
+        rk, _ = ref.update_and_fetch(x, x)
+        assert mx.array_equal(k, rk).item() and ours.offset == ref.offset
+        for n in (1, 3):
+            a, b = ours.make_mask(n, window_size=4), ref.make_mask(n, window_size=4)
+            assert (a is None and b is None) or (isinstance(a, str) and a == b) or mx.array_equal(a, b).item()
+
+
+def test_plain_masks_equal_mlx_lm():
+    ours, ref = tq.TurboQuantKVCache(exact()), KVCache()
+    x = mx.random.uniform(shape=(1, 2, 9, 4))
+    ours.update_and_fetch(x, x)
+    ref.update_and_fetch(x, x)
+    for n, w in ((1, None), (4, None), (4, 3)):
+        a, b = ours.make_mask(n, window_size=w, return_array=False), ref.make_mask(n, window_size=w, return_array=False)
+        assert (a is None and b is None) or (isinstance(a, str) and a == b) or mx.array_equal(a, b).item()
