@@ -22,8 +22,37 @@ def test_eval_lists_and_runs_a_small_comparison(tmp_path, capsys):
     assert res["TQ-mse 2"]["ppl"] > res["fp32"]["ppl"] and res["TQ-mse 2"]["bits"] == 2.25
     assert len(res["TQ-mse 2"]["fidelity_cos"]) == 30 and "256" in res["TQ-mse 2"]["needle"]
     assert "TQ-mse 2" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="unknown configuration"):
-        cli.main(["eval", "--configs", "nope", "--tokens", "512"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--tokens", "0"], "argument --tokens: must be >= 2, got 0"),
+    (["eval", "--tokens", "-5"], "argument --tokens: must be >= 2, got -5"),
+    (["eval", "--tokens", "abc"], "argument --tokens: expected an integer"),
+    (["eval", "--configs", "nosuch"], "unknown configuration(s) 'nosuch'; valid: 'chapter', 'all', 'fp32'"),
+    (["eval", "--tokens", "256"], "256 tokens are fewer than one --window of 512"),
+    (["memory", "--bits", "0"], "argument --bits: bits must be in (0, 32], got 0"),
+    (["memory", "--batch", "0"], "argument --batch: must be >= 1, got 0"),
+    (["memory", "--context", "-1"], "argument --context: must be >= 1"),
+    (["kernels", "--repeats", "0"], "argument --repeats: must be >= 1"),
+])
+def test_bad_arguments_give_a_usage_message_and_status_2(argv, message, capsys):
+    import time
+    t = time.perf_counter()
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: turboquant" in err and message in err and "Traceback" not in err
+    assert time.perf_counter() - t < 5                       # refused before loading any model
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("memory", "model", "eval", "kernels"):
+        assert f"turboquant {command}" in out and f"\n    {command}" in out
 
 
 def test_model_command_checks_paris(capsys):
