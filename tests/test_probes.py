@@ -405,3 +405,26 @@ def test_caches_deep_copy_independently(llama, kind):
     run_in_chunks(llama, nxt, fresh, [1])
     nxt2 = toks(1, seed=6)
     assert mx.array_equal(llama(nxt2, cache=twin), llama(nxt2, cache=fresh)).item()   # … the copy did not
+
+
+def test_codecs_pickle_and_deep_copy_through_their_configuration():
+    import pickle
+    for codec in all_codecs():
+        assert pickle.loads(pickle.dumps(codec)) == codec
+        twin = copy.deepcopy(codec)
+        x = mx.random.normal((3, 64), key=mx.random.key(2))
+        assert all(mx.array_equal(codec.encode(x)[n], twin.encode(x)[n]).item() for n in codec.encode(x).arrays)
+
+
+def test_bit_axon_ring_deep_copies_independently():
+    from turboquant.bitaxon import QuantizedSWACache
+    ring = QuantizedSWACache(8, tq.TurboQuantMSE(64, 4))
+    x = mx.random.normal((1, 2, 5, 64), key=mx.random.key(0))
+    ring.update_and_fetch(x, x)
+    twin = copy.deepcopy(ring)
+    y = mx.random.normal((1, 2, 6, 64), key=mx.random.key(1))
+    ring.update_and_fetch(y, y)                            # wraps the ring: overwrites slots
+    assert twin.offset == 5 and ring.offset == 11
+    fresh = QuantizedSWACache(8, tq.TurboQuantMSE(64, 4))
+    fresh.update_and_fetch(x, x)
+    assert all(mx.array_equal(twin.keys.fields[n], fresh.keys.fields[n]).item() for n in fresh.keys.fields)

@@ -19,6 +19,7 @@ context length) and the layer attends from codes (``attention_from_codes``).
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -148,6 +149,16 @@ class QuantizedSWACache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def __deepcopy__(self, memo):
+        """An independent copy (mx arrays copied; codecs rebuilt from their configurations)."""
+        new = QuantizedSWACache(self.window_size, copy.deepcopy(self.key_codec), copy.deepcopy(self.value_codec))
+        if self.keys is not None:
+            new.keys = CodeBuffer({n: mx.array(a) for n, a in self.keys.fields.items()})
+            new.values = CodeBuffer({n: mx.array(a) for n, a in self.values.fields.items()})
+        new.offset, new.dtype = self.offset, self.dtype
+        memo[id(self)] = new
+        return new
 
 
 class _Shape:

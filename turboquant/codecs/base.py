@@ -197,6 +197,13 @@ class Codec:
                                  f"the code's shape is {shape}: expected {shape} + (width,)")
         return code
 
+    def __reduce__(self):
+        """Pickle and copy through the configuration, which rebuilds the codec bit for bit."""
+        return from_config, (self.config(),)
+
+    def __deepcopy__(self, memo):
+        return from_config(self.config())
+
     def __eq__(self, other):
         return isinstance(other, Codec) and self.config() == other.config()
 
