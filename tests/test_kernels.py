@@ -50,21 +50,59 @@ def test_no_kernel_back_end_on_a_cpu_build_and_the_switch():
     assert kernels.spec_for(PolarQuant(64)) is None and kernels.spec_for(TurboQuantMSE(64, 2)) is not None
 
 
-def test_switch_off_by_environment(monkeypatch, emu):
-    monkeypatch.setenv("TURBOQUANT_KERNELS", "0")
+@pytest.fixture
+def fresh_env(monkeypatch):
+    """TURBOQUANT_KERNELS is read once per process: clear that memo around a test."""
+    kernels.env_mode.cache_clear()
+    yield monkeypatch
+    kernels.env_mode.cache_clear()
+
+
+def test_switch_off_by_environment(fresh_env, emu):
+    fresh_env.setenv("TURBOQUANT_KERNELS", "0")
     assert kernels.active() is None
     with kernels.use(emu):
         assert kernels.active() is emu and kernels.backend_name() == "cpp"
     assert kernels.active() is None
 
 
-def test_environment_modes(monkeypatch):
-    monkeypatch.setenv("TURBOQUANT_KERNELS", "sometimes")
-    with pytest.raises(ValueError, match="TURBOQUANT_KERNELS must be one of"):
+def test_environment_is_read_once_and_use_is_per_thread(fresh_env, emu):
+    import threading
+    fresh_env.setenv("TURBOQUANT_KERNELS", "0")
+    assert kernels.active() is None
+    fresh_env.setenv("TURBOQUANT_KERNELS", "sometimes")          # read once: no effect now
+    assert kernels.active() is None and kernels.env_mode() == "0"
+    seen = {}
+    inside, done = threading.Event(), threading.Event()
+
+    def other():
+        with kernels.use(emu):
+            inside.set()
+            done.wait(10)
+            seen["other"] = kernels.active()
+
+    t = threading.Thread(target=other)
+    t.start()
+    inside.wait(10)
+    seen["main"] = kernels.active()                                 # not switched by the other thread
+    done.set()
+    t.join(10)
+    assert seen == {"main": None, "other": emu}
+
+
+def test_environment_modes(fresh_env):
+    fresh_env.setenv("TURBOQUANT_KERNELS", "sometimes")
+    with pytest.warns(RuntimeWarning, match="TURBOQUANT_KERNELS must be one of"):
+        assert kernels.env_mode() == "auto"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                # once: no second warning
         kernels.active()
+        TurboQuantMSE(64, 4).encode(vectors((1, 1, 3, 64)))
     if emulate.compiler() is None:
         pytest.skip("no C++ compiler here: the cpp back-end cannot be built")
-    monkeypatch.setenv("TURBOQUANT_KERNELS", "cpp")
+    kernels.env_mode.cache_clear()
+    fresh_env.setenv("TURBOQUANT_KERNELS", "cpp")
     assert kernels.backend_name() == "cpp"                    # adopted after its self-check
     codec = TurboQuantMSE(64, 4)
     x = vectors((1, 2, 20, 64))

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from . import kernels
 
 __all__ = ["reference_attention", "cosine_similarity", "relative_error", "attention_fidelity",
            "attention_from_codes", "codes_attention", "patch_attention", "output_fidelity"]
@@ -82,10 +81,6 @@ def output_fidelity(approx: mx.array, exact: mx.array) -> dict:
 
 
 # ------------------------------------------------------------------ from codes (Chapter 7)
-def _rotated(codec) -> bool:
-    return hasattr(codec, "decode_rotated") and hasattr(codec, "rotation")
-
-
 def _causal(mask, Tq: int, T: int):
     if isinstance(mask, str):
         if mask != "causal":
@@ -94,136 +89,84 @@ def _causal(mask, Tq: int, T: int):
     return mask
 
 
-def _score_table(q_rot: mx.array, codec, code) -> mx.array:
-    """Vector codes: per-query table of ⟨q-block, codeword⟩, looked up per block.
-
-    q_rot (B, H_kv, R, Tq, D) → scores of the unit codes (B, H_kv, R, Tq, T)."""
-    from .packing import unpack
-    B, H, R, Tq, D = q_rot.shape
-    k, n = codec.k, codec.n_codewords
-    table = q_rot.reshape(B, H, R, Tq, D // k, k) @ codec.codewords.T           # (B, H, R, Tq, D/k, N)
-    idx = unpack(code["idx"], codec.index_bits, D // k).astype(mx.int32)        # (B, H, T, D/k)
-    T = idx.shape[2]
-    pos = (idx + mx.arange(D // k, dtype=mx.int32) * n).reshape(B, H, 1, T * (D // k))
-    looked = mx.take_along_axis(table.reshape(B, H, R * Tq, D // k * n),       # one row per query
-                                mx.broadcast_to(pos, (B, H, R * Tq, T * (D // k))), axis=-1)
-    return looked.reshape(B, H, R, Tq, T, D // k).sum(axis=-1)
-
-
-def _byte_table_scores(q_rot: mx.array, codec, code) -> mx.array:
-    """Scalar codes with b ∈ {1, 2, 4, 8}: each stored byte holds 8/b indices, so a per-query
-    table of 256 entries per byte position gives the scores from T·D·b/8 lookups of the
-    stored bytes, with no unpacking and no per-coordinate centroid gather.
-
-    q_rot (B, H_kv, R, Tq, D) → scores of the unit codes (B, H_kv, R, Tq, T)."""
-    B, H, R, Tq, D = q_rot.shape
-    b = codec.bits
-    per, P = 8 // b, D * b // 8
-    byte = mx.arange(256, dtype=mx.uint32)
-    cents = [mx.take(codec.centroids, ((byte >> (b * s)) & ((1 << b) - 1)).astype(mx.int32)) for s in range(per)]
-    qp = q_rot.reshape(B, H, R * Tq, P, per)
-    table = sum(qp[..., s:s + 1] * cents[s] for s in range(per))              # (B, H, R·Tq, P, 256)
-    idx = code["idx"]                                                          # (B, H, T, P) uint8
-    T = idx.shape[2]
-    pos = (idx.astype(mx.int32) + mx.arange(P, dtype=mx.int32) * 256).reshape(B, H, 1, T * P)
-    looked = mx.take_along_axis(table.reshape(B, H, R * Tq, P * 256),
-                                mx.broadcast_to(pos, (B, H, R * Tq, T * P)), axis=-1)
-    return looked.reshape(B, H, R, Tq, T, P).sum(axis=-1)
+def _apply_mask(scores: mx.array, mask, H: int) -> mx.array:
+    """scores (B, H_kv, R, Tq, T) with a mask broadcastable to (B, H, Tq, T) (boolean keep, or
+    additive), "causal", or None; a per-query-head mask is split into (H_kv, R)."""
+    if mask is None:
+        return scores
+    B, Hk, R, Tq, T = scores.shape
+    m = _causal(mask, Tq, T)
+    if m.ndim == 4 and m.shape[1] == H and H != 1:
+        m = m.reshape(m.shape[0], Hk, R, *m.shape[2:])
+    elif m.ndim == 4:
+        m = mx.expand_dims(m, 2)
+    elif m.ndim > 4:
+        raise ValueError(f"mask must broadcast to (B, H, Tq, T), got shape {tuple(m.shape)}")
+    return mx.where(m, scores, -mx.inf) if m.dtype == mx.bool_ else scores + m
 
 
-def _unwrap(view):
-    """(codec that made the stored arrays, its Code): a ``Centered`` codec is unwrapped to its
-    inner codec; the caller adds the mean's exact contribution."""
-    from .codecs.center import Centered
-    codec, code = view.codec, view.code()
-    if isinstance(codec, Centered):
-        return codec.inner, codec.inner_code(code)
-    return codec, code
+def _per_head(x: mx.array) -> mx.array:
+    """(B, H_kv, T, w) → (B, H_kv, 1, T, w): broadcast over the R query heads of a kv head."""
+    return x.astype(mx.float32)[:, :, None]
+
+
+def _norms(code) -> mx.array:
+    """The stored norms as per-token weights (B, H_kv, 1, 1, T)."""
+    return mx.swapaxes(_per_head(code["norm"]), -1, -2)
+
+
+def _mean_scores(qf: mx.array, mu: mx.array) -> mx.array:
+    """q·μ for μ (H_kv, D) or (D,): (B, H_kv, R, Tq, 1)."""
+    return qf @ mu[:, None, :, None] if mu.ndim == 2 else (qf @ mu)[..., None]
 
 
 def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, mask=None) -> mx.array:
     """softmax(q kᵀ·scale) v with K and V read from ``CodesView`` objects: (B, H, Tq, D).
 
-    For codecs with a rotated frame (TurboQuant_mse, FibQuant) the query is rotated once,
-    scores are ν_t·⟨Πq, c[i_t]⟩ (vector codes: a table of ⟨q-block, codeword⟩ per query,
-    looked up per block; scalar codes with b ∈ {1, 2, 4, 8}: the same idea per stored byte;
-    other scalar codes: gathered centroids), the softmax weights times the
-    value norms sum the value codewords in the rotated frame, and one inverse rotation
-    ends it. With a GPU back-end (``turboquant.kernels``) the scores and the value sums of
-    TurboQuant_mse and FibQuant codes come from fused kernels that read the packed bytes.
-    Other codecs are dequantized first. Full-precision recent tokens are used as
-    such, and so are sink tokens (the first S). A ``Centered`` codec's mean enters exactly: q·μ added to the coded scores, and
-    μ times the softmax mass on coded tokens added to the output. Equal to dequantize-then-attend up to float rounding.
+    A codec that offers the query-table protocol (``query_table``/``weighted_sum``: the
+    rotated-table codecs, TurboQuant_mse and FibQuant) is read without decoding: the query
+    is rotated once, scores are ν_t·⟨Πq, c[i_t]⟩ from its query table, the value side is
+    Σ_t p_t ν_t c[i_t] in the rotated frame, and one inverse rotation ends it (fused kernels,
+    when active, sit behind the protocol). Other codecs are decoded. A codec that stores
+    x − μ (``Centered``, through ``attention_view``) gets μ back exactly: q·μ added to the
+    coded scores, μ times the coded softmax mass added to the output. Exact sink (first S)
+    and recent tokens enter as such. Equal to dequantize-then-attend up to float rounding.
     """
     B, H, Tq, D = q.shape
-    Hk = keys.shape[1]
+    Hk, T = keys.shape[1], keys.shape[2]
     if H % Hk:
         raise ValueError(f"query heads {H} are not a multiple of kv heads {Hk}")
     R = H // Hk
     scale = 1 / math.sqrt(D) if scale is None else scale
     qf = (q.astype(mx.float32) * scale).reshape(B, Hk, R, Tq, D)
-    T = keys.shape[2]
+
+    kc, code, mu = keys.codec.attention_view(keys.code())
+    if hasattr(kc, "query_table"):
+        scores = kc.query_table(kc.rotation.apply(qf)).scores(code) * _norms(code)
+    else:
+        scores = qf @ mx.swapaxes(_per_head(kc.decode(code)), -1, -2)
+    if mu is not None:
+        scores = scores + _mean_scores(qf, mu)
     s, r = keys.exact_spans()
+    exact = lambda x: qf @ mx.swapaxes(_per_head(x), -1, -2)  # noqa: E731
+    parts = ([exact(keys.sink[..., :s, :])] if s else []) + [scores[..., s:T - r]] + (
+        [exact(keys.recent[..., keys.recent.shape[2] - r:, :])] if r else [])
+    p = mx.softmax(_apply_mask(mx.concatenate(parts, axis=-1), mask, H), axis=-1, precise=True)
 
-    kc, code = _unwrap(keys)
-    if _rotated(kc):
-        qr = kc.rotation.apply(qf)
-        fused = kernels.for_attention(kc, B * H * Tq, B * Hk, T)
-        if fused is not None:                                 # scores from the packed bytes
-            unit = kernels.unit_scores(*fused, qr, code["idx"])
-        elif hasattr(kc, "codewords"):
-            unit = _score_table(qr, kc, code)
-        elif getattr(kc, "bits", None) in (1, 2, 4, 8) and hasattr(kc, "centroids"):
-            unit = _byte_table_scores(qr, kc, code)
-        else:
-            unit = qr @ mx.swapaxes(kc.decode_rotated(code), -1, -2)[:, :, None]
-        scores = unit * mx.swapaxes(code["norm"].astype(mx.float32), -1, -2)[:, :, None]
+    vc, code, mu = values.codec.attention_view(values.code())
+    s, r = values.exact_spans()
+    pc = p[..., s:T - r]                                      # weights of the coded tokens
+    if hasattr(vc, "weighted_sum"):                            # exact tokens weigh nothing here
+        w = mx.pad(pc * _norms(code)[..., s:T - r], [(0, 0)] * 4 + [(s, r)])
+        out = vc.rotation.invert(vc.weighted_sum(w, code))
     else:
-        scores = qf @ mx.swapaxes(kc.decode(code).astype(mx.float32), -1, -2)[:, :, None]
-    if kc is not keys.codec:                                  # Centered: add q·μ back
-        mu = keys.codec.mean                                  # (Hk, D) or (D,)
-        scores = scores + (qf @ mu[:, None, :, None] if mu.ndim == 2 else (qf @ mu)[..., None])
-    if s or r:                                                # exact sink / recent tokens
-        exact = lambda x: qf @ mx.swapaxes(x.astype(mx.float32), -1, -2)[:, :, None]  # noqa: E731
-        parts = [exact(keys.sink[..., :s, :])] if s else []
-        parts.append(scores[..., s:T - r])
-        if r:
-            parts.append(exact(keys.recent[..., keys.recent.shape[2] - r:, :]))
-        scores = mx.concatenate(parts, axis=-1)
-
-    if mask is not None:
-        m = _causal(mask, Tq, T)
-        if m.ndim == 4 and m.shape[1] == H and H != 1:            # per query head: (B, Hk, R, Tq, T)
-            m = m.reshape(m.shape[0], Hk, R, *m.shape[2:])
-        elif m.ndim == 4:                                         # one mask for all heads
-            m = mx.expand_dims(m, 2)
-        elif m.ndim > 4:
-            raise ValueError(f"mask must broadcast to (B, H, Tq, T), got shape {tuple(m.shape)}")
-        scores = mx.where(m, scores, -mx.inf) if m.dtype == mx.bool_ else scores + m
-    p = mx.softmax(scores, axis=-1, precise=True)                              # (B, Hk, R, Tq, T)
-
-    vc, code = _unwrap(values)
-    sv, rv = values.exact_spans()
-    pc = p[..., sv:T - rv]                                    # weights of the coded tokens
-    if _rotated(vc):
-        w = pc * mx.swapaxes(code["norm"].astype(mx.float32), -1, -2)[:, :, None][..., sv:T - rv]
-        fused = kernels.for_attention(vc, B * H * Tq, B * Hk, T)
-        if fused is not None:                                 # Σ w_t c[i_t] from the packed bytes
-            w = mx.pad(w, [(0, 0)] * (w.ndim - 1) + [(sv, rv)])  # exact tokens weigh nothing here
-            out = vc.rotation.invert(kernels.rotated_values(*fused, w, code["idx"]))
-        else:
-            units = vc.decode_rotated(code)[..., sv:T - rv, :]
-            out = vc.rotation.invert(w @ units[:, :, None])
-    else:
-        vfull = vc.decode(code).astype(mx.float32)[..., sv:T - rv, :]
-        out = pc @ vfull[:, :, None]
-    if vc is not values.codec:                                # Centered: + (Σ p over codes)·μ
-        mu = values.codec.mean
+        out = pc @ _per_head(vc.decode(code))[..., s:T - r, :]
+    if mu is not None:
         out = out + pc.sum(axis=-1, keepdims=True) * (mu[:, None, None, :] if mu.ndim == 2 else mu)
-    if sv:
-        out = out + p[..., :sv] @ values.sink[..., :sv, :].astype(mx.float32)[:, :, None]
-    if rv:
-        out = out + p[..., T - rv:] @ values.recent[..., values.recent.shape[2] - rv:, :].astype(mx.float32)[:, :, None]
+    if s:
+        out = out + p[..., :s] @ _per_head(values.sink[..., :s, :])
+    if r:
+        out = out + p[..., T - r:] @ _per_head(values.recent[..., values.recent.shape[2] - r:, :])
     return out.reshape(B, H, Tq, D).astype(q.dtype)
 
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["Code", "Codec", "register", "from_config", "CODECS", "check_input", "split_norm",
-           "FP16_MAX", "check_norms", "fused_encode", "check_int"]
+           "FP16_MAX", "check_norms", "check_int"]
 
 FP16_MAX = 65504.0
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
@@ -98,21 +98,6 @@ def split_norm(x: mx.array) -> tuple[mx.array, mx.array]:
     return norm, x / mx.where(norm > 0, norm, 1.0)
 
 
-def fused_encode(codec, x: mx.array):
-    """Code fields {"idx", "norm"} from the fused encode kernel when a kernel back-end is
-    active (``turboquant.kernels``) and knows ``codec``; None otherwise (use the mx path)."""
-    from .. import kernels
-    kern = kernels.active()
-    if kern is None or x.size == 0:
-        return None
-    spec = kernels.spec_for(codec)
-    if spec is None or not kernels.encode_fits(spec, x.size // x.shape[-1]):
-        return None
-    idx, norm = kernels.encode(kern, spec, x)
-    check_norms(norm)
-    return {"idx": idx, "norm": norm.astype(mx.float16)}
-
-
 def check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
     """``value`` as a Python int: NumPy integers are accepted and converted; bools, floats
     and anything else, or a value outside [lo, hi], raise ``ValueError`` naming ``name``."""
@@ -179,6 +164,11 @@ class Codec:
     def code_nbytes(self, n_vectors: int) -> int:
         """Bytes that codes for ``n_vectors`` vectors occupy."""
         return n_vectors * self.nbytes_per_vector
+
+    def attention_view(self, code: Code):
+        """(codec whose codes attention reads, its code, μ or None): a codec that stores
+        x − μ (``Centered``) returns its inner codec and μ, so attention adds μ back exactly."""
+        return self, code, None
 
     def roundtrip(self, x: mx.array) -> mx.array:
         return self.decode(self.encode(x))

@@ -40,6 +40,7 @@ class Centered(Codec):
             raise TypeError(f"inner must be a codec or a codec config, got {type(inner).__name__}")
         self.inner, self.dim = inner, inner.dim
         self.mean: Optional[mx.array] = None
+        self._config = None
         if mean is not None:
             m = mx.array(mean, dtype=mx.float32)
             if m.ndim not in (1, 2) or m.shape[-1] != self.dim or not mx.all(mx.isfinite(m)).item():
@@ -64,6 +65,7 @@ class Centered(Codec):
         mx.eval(self.mean)
         if hasattr(self.inner, "fit"):
             self.inner.fit(x - self.broadcast_mean(x.ndim))
+        self._config = None
         return self
 
     def broadcast_mean(self, ndim: int) -> mx.array:
@@ -88,8 +90,12 @@ class Centered(Codec):
         return 0 if self.mean is None else self.mean.size * 4
 
     def config(self) -> dict:
-        return {"codec": self.name, "inner": self.inner.config(),
-                "mean": None if self.mean is None else self.mean.tolist()}
+        """Built once per fitted mean (``mean.tolist()`` is a host sync: keep it out of the
+        per-step encode/decode path); a copy is returned."""
+        if self._config is None:
+            self._config = {"codec": self.name, "inner": self.inner.config(),
+                            "mean": None if self.mean is None else self.mean.tolist()}
+        return {**self._config, "inner": dict(self._config["inner"])}
 
     def _encode(self, x: mx.array) -> Code:
         if self.mean is None:
@@ -103,6 +109,10 @@ class Centered(Codec):
                              f"(shape {tuple(x.shape)})")
         code = self.inner.encode(x - m)
         return Code(dict(code.arrays), tuple(x.shape[:-1]), dtype, self.config())
+
+    def attention_view(self, code: Code):
+        """(inner codec, the code as the inner codec's, μ (H, D) or (D,))."""
+        return self.inner, self.inner_code(code), self.mean
 
     def inner_code(self, code: Code) -> Code:
         """The same arrays as a code of the inner codec (for attention from codes)."""

@@ -30,17 +30,17 @@ import numpy as np
 from scipy import special
 
 from ..lloyd import kmeans, kmeans_pp, nearest
-from ..packing import MAX_PACK_BITS, index_bits, pack, packed_bytes, unpack
+from ..packing import MAX_PACK_BITS, index_bits
 from ..rotation import Rotation
 from ..sphere import sample_block
-from .base import Code, Codec, check_input, check_int, fused_encode, register, split_norm
+from .base import check_int, register
+from .table import RotatedTable
 
 __all__ = ["FibQuant", "VectorCodebook", "fibquant_codebook", "spiral_codebook",
            "companded_radii", "CODEBOOK_VERSION"]
 
 CODEBOOK_VERSION = 2
 GOLDEN = (1 + math.sqrt(5)) / 2
-_CHUNK_ELEMENTS = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ def _build(dim, k, n, seed, restarts) -> VectorCodebook:
 
 
 @register
-class FibQuant(Codec):
+class FibQuant(RotatedTable):
     """FibQuant(dim, k=2, n_codewords=None, bits=None, seed=0, rotation="haar").
 
     Give ``n_codewords`` (N) or ``bits`` (b, then N = 2^(b·k) must be a whole number).
@@ -235,25 +235,15 @@ class FibQuant(Codec):
                 raise ValueError(f"bits={bits} with k={k} gives N = 2^{bits * k:g}, not a whole number")
         n_codewords = check_int("n_codewords", n_codewords, 2)
         _check(dim, k, n_codewords)
-        self.dim, self.k, self.n_codewords, self.seed = dim, k, n_codewords, seed
-        self.index_bits = index_bits(self.n_codewords)
+        self.dim, self.k, self.seed = dim, k, seed
         self.rotation = Rotation(rotation, dim, seed)
-        self.codebook = fibquant_codebook(dim, k, self.n_codewords, seed)
-        self.codewords = mx.array(self.codebook.codewords, dtype=mx.float32)   # (N, k)
-        self._c2 = mx.sum(self.codewords * self.codewords, axis=1)             # (N,)
+        self.codebook = fibquant_codebook(dim, k, n_codewords, seed)
+        self._set_table(mx.array(self.codebook.codewords, dtype=mx.float32), index_bits(n_codewords))  # (N, k)
 
     @property
     def rate(self) -> float:
         """Nominal rate log2(N)/k bits per coordinate (no side information)."""
         return math.log2(self.n_codewords) / self.k
-
-    @property
-    def bits_per_coordinate(self) -> float:
-        return self.index_bits / self.k + 16 / self.dim
-
-    @property
-    def nbytes_per_vector(self) -> int:
-        return packed_bytes(self.dim // self.k, self.index_bits) + 2
 
     @property
     def expected_mse(self) -> float:
@@ -264,35 +254,3 @@ class FibQuant(Codec):
         return {"codec": self.name, "dim": self.dim, "k": self.k, "n_codewords": self.n_codewords,
                 "seed": self.seed, "rotation": self.rotation.kind}
 
-    def quantize_rotated(self, y: mx.array) -> mx.array:
-        """Rotated unit vectors (…, D) → block indices (…, D/k) uint32, chunked over rows."""
-        blocks = y.reshape(-1, self.k)                                      # (rows·D/k, k)
-        rows = max(1, _CHUNK_ELEMENTS // self.n_codewords)
-        out = []
-        for s in range(0, blocks.shape[0], rows):
-            b = blocks[s:s + rows]
-            d = self._c2 - 2 * (b @ self.codewords.T)                       # (rows, N)
-            out.append(mx.argmin(d, axis=1).astype(mx.uint32))
-            if len(out) > 1:
-                mx.eval(out[-1])                                            # bound live memory
-        idx = mx.concatenate(out) if out else mx.zeros((0,), mx.uint32)
-        return idx.reshape(*y.shape[:-1], self.dim // self.k)
-
-    def _encode(self, x: mx.array) -> Code:
-        dtype = x.dtype if isinstance(x, mx.array) else None
-        x = check_input(x, self.dim, finite=False)
-        fused = fused_encode(self, x)
-        if fused is not None:
-            return Code(fused, tuple(x.shape[:-1]), dtype, self.config())
-        norm, u = split_norm(x)
-        idx = self.quantize_rotated(self.rotation.apply(u))
-        return Code({"idx": pack(idx, self.index_bits), "norm": norm.astype(mx.float16)},
-                    tuple(x.shape[:-1]), dtype, self.config())
-
-    def decode_rotated(self, code: Code) -> mx.array:
-        idx = unpack(code["idx"], self.index_bits, self.dim // self.k).astype(mx.int32)
-        return mx.take(self.codewords, idx, axis=0).reshape(*idx.shape[:-1], self.dim)
-
-    def _decode(self, code: Code) -> mx.array:
-        x = self.rotation.invert(self.decode_rotated(code)) * code["norm"].astype(mx.float32)
-        return x.astype(code.dtype)

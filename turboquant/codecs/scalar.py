@@ -14,9 +14,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..lloyd import MAX_BITS, beta_codebook, gaussian_codebook
-from ..packing import pack, packed_bytes, unpack
 from ..rotation import Rotation
-from .base import Code, Codec, check_input, check_int, fused_encode, register, split_norm
+from .base import Code, check_int, register
+from .table import RotatedTable
 
 __all__ = ["TurboQuantMSE", "bucketize"]
 
@@ -44,12 +44,13 @@ def bucketize(y: mx.array, thresholds: mx.array) -> mx.array:
 
 
 @register
-class TurboQuantMSE(Codec):
+class TurboQuantMSE(RotatedTable):
     """TurboQuant_mse(dim, bits, rotation="hadamard", seed=0, law="beta").
 
     ``bits`` in 1..8 per coordinate; ``rotation`` "hadamard" (D = 2^a, 12·2^a, 20·2^a) or
     "haar" (any D); ``law`` "beta" (exact coordinate law) or "gaussian" (its N(0, 1/D)
-    limit). Code fields: ``idx`` (..., ceil(D·b/8)) uint8, ``norm`` (..., 1) float16.
+    limit). A rotated table with K = 1 (``RotatedTable``). Code fields: ``idx``
+    (..., ceil(D·b/8)) uint8, ``norm`` (..., 1) float16.
     """
 
     name = "turboquant_mse"
@@ -65,22 +66,14 @@ class TurboQuantMSE(Codec):
         book = (beta_codebook if law == "beta" else gaussian_codebook)(dim, bits)
         self.codebook = book
         self.centroids = mx.array(book.centroids, dtype=mx.float32)     # (2^b,)
-        self.thresholds = mx.array(book.thresholds, dtype=mx.float32)   # (2^b − 1,)
+        self._set_table(self.centroids[:, None], bits, mx.array(book.thresholds, dtype=mx.float32))
         # Compiled cores fuse the elementwise chains into single passes over the data. Bit
         # packing stays outside them: mlx 0.32.4's compiler miscompiles shift-and-mask
         # chains with scalar constants (``mx.compile(lambda w: (w >> 1) & 63)`` returns 0
         # for uint32 input; Chapter 3), so ``pack``/``unpack`` always run eagerly.
-        self._encode_core = mx.compile(lambda u: self.quantize_rotated(self.rotation.apply(u)))
+        self._quantize_core = mx.compile(lambda u: self.quantize_rotated(self.rotation.apply(u)))
         self._decode_core = mx.compile(
             lambda idx, norm: self.rotation.invert(mx.take(self.centroids, idx)) * norm)
-
-    @property
-    def bits_per_coordinate(self) -> float:
-        return self.bits + 16 / self.dim
-
-    @property
-    def nbytes_per_vector(self) -> int:
-        return packed_bytes(self.dim, self.bits) + 2
 
     @property
     def expected_mse(self) -> float:
@@ -103,23 +96,12 @@ class TurboQuantMSE(Codec):
         """Rotated unit coordinates (..., D) → cell indices (..., D) uint32."""
         return bucketize(y, self.thresholds)
 
-    def _encode(self, x: mx.array) -> Code:
-        dtype = x.dtype if isinstance(x, mx.array) else None
-        x = check_input(x, self.dim, finite=False)
-        fused = fused_encode(self, x)
-        if fused is not None:
-            return Code(fused, tuple(x.shape[:-1]), dtype, self.config())
-        norm, u = split_norm(x)
-        return Code({"idx": pack(self._encode_core(u), self.bits), "norm": norm.astype(mx.float16)},
-                    tuple(x.shape[:-1]), dtype, self.config())
+    def _quantize_unit(self, u: mx.array) -> mx.array:
+        return self._quantize_core(u)
 
     def decode_rotated(self, code: Code) -> mx.array:
         """Unit vectors in the rotated frame, c[i]: (..., D) float32 (no norm, no Πᵀ)."""
         return mx.take(self.centroids, self.indices(code))
-
-    def indices(self, code: Code) -> mx.array:
-        """Cell indices of a code: (..., D) int32 (unpacked eagerly, never compiled)."""
-        return unpack(code["idx"], self.bits, self.dim).astype(mx.int32)
 
     def _decode(self, code: Code) -> mx.array:
         x = self._decode_core(self.indices(code), code["norm"].astype(mx.float32))

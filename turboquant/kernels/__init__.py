@@ -18,20 +18,23 @@ What was verified where is stated in ``VERIFIED`` and in Chapter 7.
 """
 from __future__ import annotations
 
+import contextvars
 import math
 import os
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 
+from ..codecs.base import from_config
+from ..codecs.table import KernelSpec, RotatedTable, set_accelerator
 from . import source
 
 __all__ = ["KernelSpec", "spec_for", "backend_name", "active", "use", "emulated", "gpu_backend",
-           "fits", "encode_fits", "for_attention", "encode", "unit_scores", "rotated_values", "VERIFIED", "adopt", "self_check", "cpu_backend"]
+           "fits", "encode_fits", "encode", "unit_scores", "rotated_values", "VERIFIED", "adopt", "self_check", "cpu_backend",
+           "env_mode"]
 
 VERIFIED = {
     "cpp": "the three kernel bodies compiled with g++ and run on this CPU, compared with the "
@@ -44,45 +47,10 @@ VERIFIED = {
 }
 
 
-@dataclass(frozen=True)
-class KernelSpec:
-    """What the kernels need to know about a codec: block size K, codebook size N, index bits
-    IB, packed bytes NB per vector, and the (N·K,) table, (N−1,) thresholds, (N,) squared
-    norms and (D, D) rotation Π as float32 mx arrays."""
-
-    D: int
-    K: int
-    N: int
-    IB: int
-    NB: int
-    table: mx.array
-    bounds: mx.array
-    c2: mx.array
-    rot: mx.array
-
-
 def spec_for(codec) -> KernelSpec | None:
-    """A ``KernelSpec`` for TurboQuant_mse and FibQuant codecs, None for any other codec."""
-    from ..codecs.fibquant import FibQuant
-    from ..codecs.scalar import TurboQuantMSE
-    from ..packing import packed_bytes
-    if type(codec) not in (TurboQuantMSE, FibQuant):
-        return None
-    cached = getattr(codec, "_kernel_spec", None)
-    if cached is not None:
-        return cached
-    rot = mx.array(codec.rotation.matrix().astype(np.float32))
-    if isinstance(codec, TurboQuantMSE):
-        table = codec.centroids
-        spec = KernelSpec(codec.dim, 1, table.shape[0], codec.bits, packed_bytes(codec.dim, codec.bits),
-                          table, codec.thresholds, table * table, rot)
-    else:
-        k, n = codec.k, codec.n_codewords
-        spec = KernelSpec(codec.dim, k, n, codec.index_bits,
-                          packed_bytes(codec.dim // k, codec.index_bits), codec.codewords.reshape(-1),
-                          mx.zeros((1,), mx.float32), codec._c2, rot)
-    codec._kernel_spec = spec
-    return spec
+    """The ``KernelSpec`` of a rotated-table codec (``RotatedTable``: TurboQuant_mse,
+    FibQuant), None for any other codec."""
+    return codec.kernel_spec() if isinstance(codec, RotatedTable) else None
 
 
 # --------------------------------------------------------------------------- back-ends
@@ -136,9 +104,9 @@ def adopt(make):
 def self_check(backend) -> str | None:
     """Run ``backend``'s three kernels on small random inputs for a scalar and a vector codec
     and compare with the mx path: None when they agree, else what differed."""
-    from ..codecs.fibquant import FibQuant
-    from ..codecs.scalar import TurboQuantMSE
-    for codec in (TurboQuantMSE(64, 3), FibQuant(64, k=2, n_codewords=8)):   # small: quick to build
+    cases = ({"codec": "turboquant_mse", "dim": 64, "bits": 3},              # small: quick to build
+             {"codec": "fibquant", "dim": 64, "k": 2, "n_codewords": 8})
+    for codec in map(from_config, cases):
         x = mx.random.normal((2, 3, 33, 64), key=mx.random.key(0))
         spec = spec_for(codec)
         with use(None):
@@ -166,10 +134,23 @@ def emulated():
     return CppKernels()
 
 
-_forced = []          # stack of backends set by use(); empty: automatic choice
-
-
+# A back-end forced by ``use()`` in this context (thread or task); _AUTO: choose by the
+# environment. A ContextVar, so a ``use`` block in one thread does not switch another's.
+_AUTO = object()
+_forced: contextvars.ContextVar = contextvars.ContextVar("turboquant_kernels", default=_AUTO)
 _MODES = ("auto", "1", "0", "cpp")
+
+
+@lru_cache(maxsize=1)
+def env_mode() -> str:
+    """``TURBOQUANT_KERNELS``, read and validated once per process: "auto" (default, also
+    "1"), "0" or "cpp". A bad value gives one warning naming the variable, then "auto"."""
+    mode = os.environ.get("TURBOQUANT_KERNELS", "auto")
+    if mode not in _MODES:
+        warnings.warn(f"turboquant: TURBOQUANT_KERNELS must be one of {_MODES}, got {mode!r}; "
+                      "using 'auto'", RuntimeWarning, stacklevel=3)
+        return "auto"
+    return mode
 
 
 @lru_cache(maxsize=1)
@@ -186,13 +167,12 @@ def cpu_backend():
 
 def active():
     """The back-end the package uses now: a forced one (``use``), else by
-    ``TURBOQUANT_KERNELS``: "auto" (default, also "1") the GPU's if mlx has one, "0" none,
+    ``TURBOQUANT_KERNELS`` (``env_mode``): "auto" the GPU's if mlx has one, "0" none,
     "cpp" the C++ build on the CPU. None means the mx-operations path."""
-    if _forced:
-        return _forced[-1]
-    mode = os.environ.get("TURBOQUANT_KERNELS", "auto")
-    if mode not in _MODES:
-        raise ValueError(f"TURBOQUANT_KERNELS must be one of {_MODES}, got {mode!r}")
+    forced = _forced.get()
+    if forced is not _AUTO:
+        return forced
+    mode = env_mode()
     if mode == "0":
         return None
     if mode == "cpp":
@@ -208,12 +188,13 @@ def backend_name() -> str:
 
 @contextmanager
 def use(backend):
-    """Force a back-end inside the block: ``use(None)`` for the mx path, ``use(emulated())``."""
-    _forced.append(backend)
+    """Force a back-end inside the block (this thread or task only): ``use(None)`` for the
+    mx path, ``use(emulated())`` for the C++ build."""
+    token = _forced.set(backend)
     try:
         yield backend
     finally:
-        _forced.pop()
+        _forced.reset(token)
 
 
 # --------------------------------------------------------------------------- operations
@@ -230,16 +211,6 @@ def fits(spec: KernelSpec, q_rows: int, kv_rows: int, T: int) -> bool:
 def encode_fits(spec: KernelSpec, rows: int) -> bool:
     """True when the encode kernel's int32 indices hold ``rows`` vectors (rows·max(D, NB))."""
     return rows * max(spec.D, spec.NB) <= _INT_MAX
-
-
-def for_attention(codec, q_rows: int, kv_rows: int, T: int):
-    """(back-end, spec) when attention over ``codec``'s codes should use the kernels: a
-    back-end is active, it knows the codec and the launch ``fits``; else None."""
-    backend = active()
-    spec = None if backend is None else spec_for(codec)
-    if spec is None or not fits(spec, q_rows, kv_rows, T):
-        return None
-    return backend, spec
 
 
 def encode(backend, spec: KernelSpec, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -295,3 +266,31 @@ def value_splits(threads: int, T: int, target: int = 1 << 16, min_span: int = 64
     """Token spans S for the values kernel: enough threads (``target``) for a GPU, while
     each span keeps at least ``min_span`` tokens."""
     return max(1, min(-(-target // max(threads, 1)), T // min_span))
+
+
+class _Dispatch:
+    """What the rotated-table codecs call (``codecs.table.set_accelerator``): the active
+    back-end's kernels when one is active and the launch fits, else None (the mx path)."""
+
+    def encode(self, spec: KernelSpec, x: mx.array):
+        backend = active()
+        if backend is None or x.size == 0 or not encode_fits(spec, x.size // x.shape[-1]):
+            return None
+        return encode(backend, spec, x)
+
+    def scores(self, spec: KernelSpec, q_rot: mx.array, idx: mx.array):
+        B, Hk, R, Tq, _ = q_rot.shape
+        backend = active()
+        if backend is None or not fits(spec, B * Hk * R * Tq, B * Hk, idx.shape[2]):
+            return None
+        return unit_scores(backend, spec, q_rot, idx)
+
+    def values(self, spec: KernelSpec, w: mx.array, idx: mx.array):
+        B, Hk, R, Tq, T = w.shape
+        backend = active()
+        if backend is None or not fits(spec, B * Hk * R * Tq, B * Hk, T):
+            return None
+        return rotated_values(backend, spec, w, idx)
+
+
+set_accelerator(_Dispatch())
