@@ -428,3 +428,27 @@ def test_bit_axon_ring_deep_copies_independently():
     fresh = QuantizedSWACache(8, tq.TurboQuantMSE(64, 4))
     fresh.update_and_fetch(x, x)
     assert all(mx.array_equal(twin.keys.fields[n], fresh.keys.fields[n]).item() for n in fresh.keys.fields)
+
+
+def test_a_long_codebook_build_shows_a_progress_bar_on_a_terminal(tmp_path, monkeypatch):
+    import io
+    import sys
+
+    from turboquant.codecs import fibquant
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
+    fibquant._codebook.cache_clear()
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert fibquant.build_seconds(32, 2, 128) > 2
+    fibquant.fibquant_codebook(32, 2, 128, seed=5)
+    assert "FibQuant codebook D=32 k=2 N=128" in err.getvalue()
+    quiet = io.StringIO()                                      # not a terminal: no bar
+    monkeypatch.setattr(sys, "stderr", quiet)
+    fibquant._codebook.cache_clear()
+    fibquant.fibquant_codebook(32, 2, 128, seed=6)
+    assert quiet.getvalue() == ""

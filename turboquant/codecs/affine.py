@@ -20,14 +20,14 @@ _BITS = (2, 3, 4, 5, 6, 8)
 
 @register
 class AffineCodec(Codec):
-    """AffineCodec(dim, bits, group_size=64, rotation=None, seed=0).
+    """AffineCodec(dim, bits, group_size=64, *, rotation=None, seed=0).
 
     Code fields ``w`` (…, D·b/32) uint32, ``scales`` and ``biases`` (…, D/g) float16.
     """
 
     name = "affine"
 
-    def __init__(self, dim: int, bits: int, group_size: int = 64, rotation: str | None = None,
+    def __init__(self, dim: int, bits: int, group_size: int = 64, *, rotation: str | None = None,
                  seed: int = 0):
         bits, group_size = check_int("bits", bits), check_int("group_size", group_size)
         dim, seed = check_int("dim", dim, 1), check_int("seed", seed, 0)
@@ -41,7 +41,12 @@ class AffineCodec(Codec):
         self.rotation = Rotation(rotation, dim, seed) if rotation else None
 
     @property
+    def payload_bits(self) -> float:
+        return float(self.bits)
+
+    @property
     def bits_per_coordinate(self) -> float:
+        """Payload plus an fp16 scale and bias per group of g: b + 32/g."""
         return self.bits + 32 / self.group_size
 
     @property

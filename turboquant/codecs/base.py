@@ -151,7 +151,16 @@ class Codec:
         return Code({n: a[cut] for n, a in stand_in.arrays.items()}, lead, x.dtype, self.config())
 
     @property
+    def payload_bits(self) -> float:  # pragma: no cover - interface
+        """Stored bits per coordinate of the code itself (indices, signs, values), without
+        side information."""
+        raise NotImplementedError
+
+    @property
     def bits_per_coordinate(self) -> float:  # pragma: no cover - interface
+        """``payload_bits`` plus per-vector side information (fp16 norms, scales, radii)
+        spread over the D coordinates. Per-layer constants (a ``Centered`` mean) are not
+        counted here."""
         raise NotImplementedError
 
     @property

@@ -28,12 +28,12 @@ __all__ = ["Centered"]
 
 @register
 class Centered(Codec):
-    """Centered(inner, mean=None): ``inner`` is a codec or its config; ``mean`` is (H, D) or
+    """Centered(inner, *, mean=None): ``inner`` is a codec or its config; ``mean`` is (H, D) or
     (D,) nested lists (normally learned by ``fit``). Code fields are the inner codec's."""
 
     name = "centered"
 
-    def __init__(self, inner, mean=None):
+    def __init__(self, inner, *, mean=None):
         if isinstance(inner, Mapping):
             inner = from_config(inner)
         if not isinstance(inner, Codec):
@@ -77,7 +77,16 @@ class Centered(Codec):
         return self.mean[:, None, :]
 
     @property
+    def rotation(self):
+        return self.inner.rotation
+
+    @property
+    def payload_bits(self) -> float:
+        return self.inner.payload_bits
+
+    @property
     def bits_per_coordinate(self) -> float:
+        """The inner codec's; μ is per layer, not per token (``side_nbytes``)."""
         return self.inner.bits_per_coordinate
 
     @property

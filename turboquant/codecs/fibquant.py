@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -146,7 +147,8 @@ def fibquant_codebook(dim: int, k: int, n: int, seed: int = 0, restarts: int = 4
                       use_disk: bool = True) -> VectorCodebook:
     """The refined FibQuant codebook for (D, k, N, seed): memory cache, then disk cache
     (``$TURBOQUANT_CACHE`` or ~/.cache/turboquant), then built (and saved). A build longer
-    than a couple of seconds shows a progress bar; one estimated beyond
+    than a couple of seconds shows a progress bar on a terminal (not in notebooks, whose
+    stored outputs must reproduce); one estimated beyond
     ``MAX_BUILD_SECONDS`` is refused with the estimate (``ValueError``)."""
     _check(dim, k, n)
     seed, restarts = check_int("seed", seed, 0), check_int("restarts", restarts, 1)
@@ -190,7 +192,7 @@ def _codebook(dim, k, n, seed, restarts, use_disk) -> VectorCodebook:
 def _build(dim, k, n, seed, restarts) -> VectorCodebook:
     import time
 
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
     t0 = time.perf_counter()
     n_train = _n_train(k, n)
     train = sample_block(n_train, dim, k, seed=seed)
@@ -201,7 +203,8 @@ def _build(dim, k, n, seed, restarts) -> VectorCodebook:
     rng = np.random.default_rng([seed, dim, k, n])
     starts = [init] + [kmeans_pp(train, n, rng) for _ in range(max(0, restarts - 1))]
     bar = tqdm(starts, desc=f"FibQuant codebook D={dim} k={k} N={n} (~{build_seconds(dim, k, n, restarts):.0f} s)",
-               unit="start", disable=build_seconds(dim, k, n, restarts) < 2.0, leave=False)
+               unit="start", leave=False,
+               disable=build_seconds(dim, k, n, restarts) < 2.0 or not sys.stderr.isatty())
     for r, start in enumerate(bar):
         c, _ = kmeans(train, start)
         m = float(nearest(valid, c)[1].mean())
@@ -212,16 +215,19 @@ def _build(dim, k, n, seed, restarts) -> VectorCodebook:
 
 @register
 class FibQuant(RotatedTable):
-    """FibQuant(dim, k=2, n_codewords=None, bits=None, seed=0, rotation="haar").
+    """FibQuant(dim, k=2, n_codewords=None, *, bits=None, rotation="haar", seed=0).
 
     Give ``n_codewords`` (N) or ``bits`` (b, then N = 2^(b·k) must be a whole number).
+    ``rate`` = log2(N)/k is the nominal rate; ``payload_bits`` = ceil(log2 N)/k what the
+    stored indices cost (equal when N is a power of two); ``bits_per_coordinate`` adds the
+    fp16 norm.
     Code fields ``idx`` (…, ceil(D/k · ceil(log2 N)/8)) uint8 and ``norm`` (…, 1) fp16.
     """
 
     name = "fibquant"
 
-    def __init__(self, dim: int, k: int = 2, n_codewords: int | None = None, bits: float | None = None,
-                 seed: int = 0, rotation: str = "haar"):
+    def __init__(self, dim: int, k: int = 2, n_codewords: int | None = None, *, bits: float | None = None,
+                 rotation: str = "haar", seed: int = 0):
         dim, k, seed = check_int("dim", dim, 2), check_int("k", k, 1), check_int("seed", seed, 0)
         if (n_codewords is None) == (bits is None):
             raise ValueError("give exactly one of n_codewords or bits")

@@ -25,9 +25,16 @@ class Identity(Codec):
         self.dim, self.dtype = dim, dtype
         self._dtype = getattr(mx, dtype)
 
+    rotation = None
+
+    @property
+    def payload_bits(self) -> float:
+        return 32.0 if self.dtype == "float32" else 16.0
+
     @property
     def bits_per_coordinate(self) -> float:
-        return 32.0 if self.dtype == "float32" else 16.0
+        """No side information: the payload."""
+        return self.payload_bits
 
     @property
     def nbytes_per_vector(self) -> int:

@@ -83,7 +83,7 @@ def polar_inverse(angles: list[mx.array], r: mx.array) -> mx.array:
 
 @register
 class PolarQuant(Codec):
-    """PolarQuant(dim, level_bits=(4, 2, 2, 2), seed=0, rotation="hadamard").
+    """PolarQuant(dim, level_bits=(4, 2, 2, 2), *, rotation="hadamard", seed=0).
 
     Vectors are zero-padded to a multiple of 2^L (the padding is counted in
     ``bits_per_coordinate``) and rotated in the padded space. Code fields ``b{w}``: the
@@ -93,7 +93,7 @@ class PolarQuant(Codec):
 
     name = "polarquant"
 
-    def __init__(self, dim: int, level_bits=(4, 2, 2, 2), seed: int = 0, rotation: str = "hadamard"):
+    def __init__(self, dim: int, level_bits=(4, 2, 2, 2), *, rotation: str = "hadamard", seed: int = 0):
         dim, seed = check_int("dim", dim, 2), check_int("seed", seed, 0)
         if isinstance(level_bits, (str, bytes)) or not hasattr(level_bits, "__iter__"):
             raise ValueError(f"level_bits must be a sequence of ints in 1..8, got {level_bits!r}")
@@ -117,7 +117,13 @@ class PolarQuant(Codec):
         return [self.padded_dim // 2 ** (l + 1) for l in range(self.levels)]
 
     @property
+    def payload_bits(self) -> float:
+        """Angle bits per (unpadded) coordinate."""
+        return sum(n * b for n, b in zip(self._counts(), self.level_bits)) / self.dim
+
+    @property
     def bits_per_coordinate(self) -> float:
+        """Payload plus one fp16 radius per block of 2^L padded coordinates."""
         angle_bits = sum(n * b for n, b in zip(self._counts(), self.level_bits))
         return (angle_bits + 16 * self.padded_dim // 2 ** self.levels) / self.dim
 

@@ -23,6 +23,7 @@ import numpy as np
 from scipy.special import gammaln
 
 from ..packing import pack, packed_bytes, unpack
+from ..rotation import Rotation
 from .base import Code, Codec, check_input, check_int, register, split_norm
 from .scalar import TurboQuantMSE
 
@@ -42,7 +43,7 @@ def _sketch_matrix(dim: int, m: int, orthogonal: bool, seed: int) -> np.ndarray:
 
 @register
 class QJL(Codec):
-    """QJL(dim, m=None, orthogonal=False, seed=0): a 1-bit sketch of m projections.
+    """QJL(dim, m=None, *, orthogonal=False, seed=0): a 1-bit sketch of m projections.
 
     Code fields ``signs`` (…, ceil(m/8)) uint8, ``norm`` (…, 1) float16.
     ``decode`` returns the unbiased estimate c·‖k‖·Sᵀ sign(S k) (…, D).
@@ -50,7 +51,7 @@ class QJL(Codec):
 
     name = "qjl"
 
-    def __init__(self, dim: int, m: int | None = None, orthogonal: bool = False, seed: int = 0):
+    def __init__(self, dim: int, m: int | None = None, *, orthogonal: bool = False, seed: int = 0):
         dim, seed = check_int("dim", dim, 2), check_int("seed", seed, 0)
         m = dim if m is None else check_int("m", m, 1)
         if not isinstance(orthogonal, (bool, np.bool_)):
@@ -72,8 +73,16 @@ class QJL(Codec):
         """Var of the Gaussian-S estimator: (π/2·‖q‖²‖k‖² − ⟨q,k⟩²)/m."""
         return (math.pi / 2 * q_norm_sq * k_norm_sq - inner ** 2) / m
 
+    rotation = None          # a sketch S, not a rotation
+
+    @property
+    def payload_bits(self) -> float:
+        """m signs per D coordinates: m/D."""
+        return self.m / self.dim
+
     @property
     def bits_per_coordinate(self) -> float:
+        """Payload plus the fp16 norm: (m + 16)/D."""
         return (self.m + 16) / self.dim
 
     @property
@@ -111,7 +120,7 @@ class QJL(Codec):
 
 @register
 class TurboQuantProd(Codec):
-    """TurboQuant_prod(dim, bits, seed=0, rotation="hadamard"): unbiased inner products.
+    """TurboQuant_prod(dim, bits, *, rotation="hadamard", seed=0): unbiased inner products.
 
     bits − 1 bits of TurboQuant_mse (none when bits = 1), plus a QJL sketch (m = D) of the
     residual with its fp16 norm γ. bits_per_coordinate = bits + 32/D (16/D when bits = 1).
@@ -119,14 +128,21 @@ class TurboQuantProd(Codec):
 
     name = "turboquant_prod"
 
-    def __init__(self, dim: int, bits: int, seed: int = 0, rotation: str = "hadamard"):
+    def __init__(self, dim: int, bits: int, *, rotation: str = "hadamard", seed: int = 0):
         dim, bits, seed = check_int("dim", dim, 3), check_int("bits", bits, 1, 9), check_int("seed", seed, 0)
-        self.dim, self.bits, self.seed, self.rotation = dim, bits, seed, rotation
+        self.dim, self.bits, self.seed = dim, bits, seed
+        self.rotation = Rotation(rotation, dim, seed)          # the TurboQuant_mse part's
         self.mse = TurboQuantMSE(dim, bits - 1, rotation=rotation, seed=seed) if bits > 1 else None
         self.qjl = QJL(dim, m=dim, seed=seed)
 
     @property
+    def payload_bits(self) -> float:
+        """b − 1 TurboQuant_mse bits plus one QJL sign per coordinate: b."""
+        return (self.mse.payload_bits if self.mse else 0) + self.qjl.payload_bits
+
+    @property
     def bits_per_coordinate(self) -> float:
+        """Payload plus two fp16 norms (ν and γ): b + 32/D (b + 16/D when b = 1)."""
         return (self.mse.bits_per_coordinate if self.mse else 0) + self.qjl.bits_per_coordinate
 
     @property
@@ -141,7 +157,7 @@ class TurboQuantProd(Codec):
 
     def config(self) -> dict:
         return {"codec": self.name, "dim": self.dim, "bits": self.bits, "seed": self.seed,
-                "rotation": self.rotation}
+                "rotation": self.rotation.kind}
 
     def _encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None

@@ -45,7 +45,7 @@ def bucketize(y: mx.array, thresholds: mx.array) -> mx.array:
 
 @register
 class TurboQuantMSE(RotatedTable):
-    """TurboQuant_mse(dim, bits, rotation="hadamard", seed=0, law="beta").
+    """TurboQuant_mse(dim, bits, *, rotation="hadamard", seed=0, law="beta").
 
     ``bits`` in 1..8 per coordinate; ``rotation`` "hadamard" (D = 2^a, 12·2^a, 20·2^a) or
     "haar" (any D); ``law`` "beta" (exact coordinate law) or "gaussian" (its N(0, 1/D)
@@ -55,7 +55,7 @@ class TurboQuantMSE(RotatedTable):
 
     name = "turboquant_mse"
 
-    def __init__(self, dim: int, bits: int, rotation: str = "hadamard", seed: int = 0,
+    def __init__(self, dim: int, bits: int, *, rotation: str = "hadamard", seed: int = 0,
                  law: str = "beta"):
         dim, bits = check_int("dim", dim, 3), check_int("bits", bits, 1, MAX_BITS)
         seed = check_int("seed", seed, 0)

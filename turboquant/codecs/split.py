@@ -18,20 +18,22 @@ __all__ = ["OutlierSplit"]
 
 @register
 class OutlierSplit(Codec):
-    """OutlierSplit(dim, n_outliers=32, outlier_bits=3, bits=2, seed=0, channels=None).
+    """OutlierSplit(dim, n_outliers=32, outlier_bits=3, bits=2, *, rotation="hadamard", seed=0,
+    channels=None). Its two parts rotate separately (``.outliers.rotation``,
+    ``.rest.rotation``), so ``.rotation`` is None.
 
     Code fields: ``o_idx``, ``o_norm`` (outlier part), ``r_idx``, ``r_norm`` (the rest).
     """
 
     name = "outlier_split"
 
-    def __init__(self, dim: int, n_outliers: int = 32, outlier_bits: int = 3, bits: int = 2,
-                 seed: int = 0, channels=None, rotation: str = "hadamard"):
+    def __init__(self, dim: int, n_outliers: int = 32, outlier_bits: int = 3, bits: int = 2, *,
+                 rotation: str = "hadamard", seed: int = 0, channels=None):
         dim, seed = check_int("dim", dim, 6), check_int("seed", seed, 0)
         n_outliers = check_int("n_outliers", n_outliers, 3, dim - 3)
         outlier_bits, bits = check_int("outlier_bits", outlier_bits, 1, 8), check_int("bits", bits, 1, 8)
         self.dim, self.n_outliers, self.outlier_bits, self.bits, self.seed = dim, n_outliers, outlier_bits, bits, seed
-        self.rotation = rotation
+        self.rotation = None                      # each part has its own
         try:
             self.outliers = TurboQuantMSE(n_outliers, outlier_bits, rotation=rotation, seed=seed)
             self.rest = TurboQuantMSE(dim - n_outliers, bits, rotation=rotation, seed=seed + 1)
@@ -68,7 +70,13 @@ class OutlierSplit(Codec):
         return self
 
     @property
+    def payload_bits(self) -> float:
+        """(n_outliers · outlier_bits + (D − n_outliers) · bits) / D."""
+        return (self.n_outliers * self.outlier_bits + (self.dim - self.n_outliers) * self.bits) / self.dim
+
+    @property
     def bits_per_coordinate(self) -> float:
+        """Payload plus the two parts' fp16 norms: + 32/D."""
         return (self.n_outliers * self.outlier_bits + (self.dim - self.n_outliers) * self.bits + 32) / self.dim
 
     @property
@@ -78,7 +86,7 @@ class OutlierSplit(Codec):
     def config(self) -> dict:
         return {"codec": self.name, "dim": self.dim, "n_outliers": self.n_outliers,
                 "outlier_bits": self.outlier_bits, "bits": self.bits, "seed": self.seed,
-                "channels": self.channels, "rotation": self.rotation}
+                "channels": self.channels, "rotation": self.outliers.rotation.kind}
 
     def _encode(self, x: mx.array) -> Code:
         if not self.fitted:
