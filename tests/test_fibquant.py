@@ -60,11 +60,11 @@ def test_companded_radii_and_directions():
     assert np.allclose(r, np.sqrt(1 - (1 - q) ** (4 / 64)))
     assert np.all(fq.companded_radii(8, 8, 5) == 1)
     for k in (2, 3, 4, 8):
-        d = fq._directions(k, 50)
+        d = fq.directions(k, 50)
         assert d.shape == (50, k) and np.allclose(np.linalg.norm(d, axis=1), 1)
-    phi = fq._generalized_golden(2)
+    phi = fq.generalized_golden(2)
     assert phi ** 3 == pytest.approx(phi + 1)
-    assert fq._generalized_golden(1) == pytest.approx((1 + math.sqrt(5)) / 2)
+    assert fq.generalized_golden(1) == pytest.approx((1 + math.sqrt(5)) / 2)
 
 
 def test_refinement_never_worse_than_its_initialization():
@@ -75,21 +75,21 @@ def test_refinement_never_worse_than_its_initialization():
 
 def test_codebook_is_deterministic_and_disk_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
-    fq._codebook.cache_clear()
+    fq.clear_memory_cache()
     a = fq.fibquant_codebook(32, 2, 8, seed=3)
     files = list((tmp_path / "fibquant").glob("*.npz"))
     assert len(files) == 1
-    fq._codebook.cache_clear()
+    fq.clear_memory_cache()
     b = fq.fibquant_codebook(32, 2, 8, seed=3)               # from disk
     c = fq.fibquant_codebook(32, 2, 8, seed=3, use_disk=False)  # rebuilt
     assert np.array_equal(a.codewords, b.codewords) and np.array_equal(a.codewords, c.codewords)
     assert not np.array_equal(a.codewords, fq.fibquant_codebook(32, 2, 8, seed=4, use_disk=False).codewords)
     # a corrupt cache file is rebuilt, not trusted
     files[0].write_bytes(b"not a numpy file")
-    fq._codebook.cache_clear()
+    fq.clear_memory_cache()
     d = fq.fibquant_codebook(32, 2, 8, seed=3)
     assert np.array_equal(d.codewords, a.codewords)
-    fq._codebook.cache_clear()
+    fq.clear_memory_cache()
 
 
 def test_interface_rules():

@@ -181,7 +181,7 @@ def saved(tmp_path, llama):
 
 def _rewrite(path, out, edit_header=None, edit_arrays=None, fix_checksum=True):
     import json
-    from turboquant.prompt_cache import _digest
+    from turboquant.prompt_cache import content_digest
     arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
     header = json.loads(meta["turboquant"])
     if edit_header:
@@ -190,7 +190,7 @@ def _rewrite(path, out, edit_header=None, edit_arrays=None, fix_checksum=True):
         edit_arrays(arrays)
     meta["turboquant"] = json.dumps(header)
     if fix_checksum:
-        meta["turboquant_sha256"] = _digest(meta["turboquant"], arrays)
+        meta["turboquant_sha256"] = content_digest(meta["turboquant"], arrays)
     _save(out, arrays, meta)
     return out
 
@@ -441,7 +441,7 @@ def test_a_long_codebook_build_shows_a_progress_bar_on_a_terminal(tmp_path, monk
             return True
 
     monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
-    fibquant._codebook.cache_clear()
+    fibquant.clear_memory_cache()
     err = Terminal()
     monkeypatch.setattr(sys, "stderr", err)
     assert fibquant.build_seconds(32, 2, 128) > 2
@@ -449,6 +449,6 @@ def test_a_long_codebook_build_shows_a_progress_bar_on_a_terminal(tmp_path, monk
     assert "FibQuant codebook D=32 k=2 N=128" in err.getvalue()
     quiet = io.StringIO()                                      # not a terminal: no bar
     monkeypatch.setattr(sys, "stderr", quiet)
-    fibquant._codebook.cache_clear()
+    fibquant.clear_memory_cache()
     fibquant.fibquant_codebook(32, 2, 128, seed=6)
     assert quiet.getvalue() == ""

@@ -68,3 +68,42 @@ def test_the_import_graph_has_no_cycle():
 def test_the_cycle_finder_finds_a_planted_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+ROOT = PACKAGE.parent
+
+
+def _sources():
+    """(where, Python source) of every test module and every chapter's code cell."""
+    import json
+    for p in sorted((ROOT / "tests").glob("*.py")):
+        yield str(p.relative_to(ROOT)), p.read_text()
+    for p in sorted((ROOT / "book").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(p.read_text())["cells"]):
+            if cell["cell_type"] == "code":
+                src = "".join(cell["source"])
+                src = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!")))
+                yield f"{p.relative_to(ROOT)} cell {i}", src
+
+
+def private_uses(source: str) -> list[str]:
+    """Private names of the package that ``source`` reaches: ``from turboquant… import _x``
+    and attribute access ``obj._x`` (dunders excepted)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("turboquant"):
+            found += [f"import {a.name}" for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            found.append(f".{node.attr}")
+    return found
+
+
+def test_no_test_or_chapter_uses_a_private_name_of_the_package():
+    bad = {where: uses for where, src in _sources() if where != "tests/test_structure.py"
+           and (uses := private_uses(src))}
+    assert not bad, bad
+
+
+def test_the_private_name_finder_finds_them():
+    assert private_uses("from turboquant.attention import _repeat_kv\nc._fetch(1)\nx.__class__") == \
+        ["import _repeat_kv", "._fetch"]

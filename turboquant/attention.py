@@ -230,7 +230,8 @@ def codes_attention(model):
     Calls whose keys are not ``CodesView`` (other caches, no cache) go to the original
     function (``patch_attention``).
     """
-    from .cache import CodesView, returning_codes
+    from .cache import returning_codes
+    from .codes import CodesView
     n_layers = len(model.layers) if hasattr(model, "layers") else None
 
     def wrap(original):

@@ -49,7 +49,7 @@ def decode_attention_seconds(T: int, codec, H: int = 8, D: int = 128, repeats: i
     import math
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
     from .attention import attention_from_codes
-    from .cache import CodeBuffer, CodesView
+    from .codes import CodeBuffer, CodesView
     key = mx.random.key(seed)
     k1, k2, k3 = mx.random.split(key, 3)
     k = mx.random.normal((1, H, T, D), key=k1)

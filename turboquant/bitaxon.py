@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .attention import attention_from_codes, reference_attention
-from .cache import CodeBuffer, CodesView
+from .codes import CodeBuffer, CodesView
 from .codecs.base import Codec
 from .codecs.fibquant import FibQuant
 from .codecs.scalar import TurboQuantMSE

@@ -26,7 +26,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
-from .codecs.base import Code, Codec
+from .codecs.base import Codec
+from .codes import CodeBuffer, CodesView
 
 __all__ = ["CodeBuffer", "CodesView", "TurboQuantKVCache", "TurboQuantRotatingKVCache", "codes_mode",
            "returning_codes"]
@@ -45,69 +46,6 @@ def returning_codes():
         yield
     finally:
         codes_mode.set(codes_mode.get() - 1)
-
-
-class CodeBuffer:
-    """Code fields stacked along the token axis: name → (B, H, T, w) arrays."""
-
-    def __init__(self, fields: dict):
-        self.fields = dict(fields)
-
-    @property
-    def length(self) -> int:
-        return next(iter(self.fields.values())).shape[2]
-
-    def slice(self, a: int, b: Optional[int] = None) -> "CodeBuffer":
-        return CodeBuffer({n: f[..., a:b, :] for n, f in self.fields.items()})
-
-    @staticmethod
-    def concat(parts) -> "CodeBuffer":
-        parts = [p for p in parts if p is not None and p.length > 0]
-        return CodeBuffer({n: mx.concatenate([p.fields[n] for p in parts], axis=2) for n in parts[0].fields})
-
-    def zeros(self, n: int) -> "CodeBuffer":
-        return CodeBuffer({k: mx.zeros((*f.shape[:2], n, f.shape[3]), f.dtype) for k, f in self.fields.items()})
-
-    def assign(self, start: int, other: "CodeBuffer") -> None:
-        for n, f in self.fields.items():
-            f[..., start:start + other.length, :] = other.fields[n]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(f.nbytes for f in self.fields.values())
-
-
-class CodesView:
-    """What ``update_and_fetch`` returns in codes mode: the codes attention should read."""
-
-    def __init__(self, codec: Codec, buffer: CodeBuffer, dtype, recent: Optional[mx.array] = None,
-                 sink: Optional[mx.array] = None):
-        self.codec, self.buffer, self.dtype, self.recent, self.sink = codec, buffer, dtype, recent, sink
-        B, H = next(iter(buffer.fields.values())).shape[:2]
-        self.shape = (B, H, buffer.length, codec.dim)
-
-    def code(self) -> Code:
-        return Code(self.buffer.fields, self.shape[:3], self.dtype, self.codec.config())
-
-    def exact_spans(self) -> tuple[int, int]:
-        """(s, r): the first s and the last r of the T tokens are held exactly (sink and
-        recent window, never overlapping: the recent window yields to the sink)."""
-        T = self.shape[2]
-        s = 0 if self.sink is None else min(self.sink.shape[2], T)
-        r = 0 if self.recent is None else min(self.recent.shape[2], T - s)
-        return s, r
-
-    def dequantize(self) -> mx.array:
-        x = self.codec.decode(self.code())
-        s, r = self.exact_spans()
-        if s or r:
-            T = x.shape[2]
-            parts = [self.sink[..., :s, :].astype(x.dtype)] if s else []
-            parts.append(x[..., s:T - r, :])
-            if r:
-                parts.append(self.recent[..., self.recent.shape[2] - r:, :].astype(x.dtype))
-            x = mx.concatenate(parts, axis=2)
-        return x
 
 
 def _append(old: Optional[mx.array], new: mx.array) -> mx.array:
@@ -181,7 +119,7 @@ class TurboQuantKVCache:
         self._update_sink(prev, keys, values)
         self.offset += T
         self._update_recent(keys, values)
-        return self._fetch(self.keys.slice(0, self.offset), self.values.slice(0, self.offset))
+        return self._fetch(*self._held())
 
     def _check(self, keys, values):
         for name, a, codec in (("keys", keys, self.key_codec), ("values", values, self.value_codec)):
@@ -212,11 +150,26 @@ class TurboQuantKVCache:
         self.recent_values = _append(self.recent_values, values)[..., -r:, :]
 
     def _fetch(self, kbuf: CodeBuffer, vbuf: CodeBuffer):
-        k = CodesView(self.key_codec, kbuf, self.dtype, self.recent_keys, self.sink_keys)
-        v = CodesView(self.value_codec, vbuf, self.dtype, self.recent_values, self.sink_values)
+        k, v = self._fetch_views(kbuf, vbuf)
         if codes_mode.get():
             return k, v
         return k.dequantize(), v.dequantize()
+
+    def codes(self):
+        """The held tokens as (keys, values) ``CodesView``s, in the order attention reads
+        them (what ``update_and_fetch`` returns under ``codes_attention``)."""
+        if self.keys is None:
+            raise ValueError("the cache is empty: no codes yet")
+        return self._fetch_views(*self._held())
+
+    def _held(self) -> tuple[CodeBuffer, CodeBuffer]:
+        """The key and value buffers of the held tokens."""
+        return self.keys.slice(0, self.offset), self.values.slice(0, self.offset)
+
+    def _fetch_views(self, kbuf: CodeBuffer, vbuf: CodeBuffer):
+        k = CodesView(self.key_codec, kbuf, self.dtype, self.recent_keys, self.sink_keys)
+        v = CodesView(self.value_codec, vbuf, self.dtype, self.recent_values, self.sink_values)
+        return k, v
 
     def size(self) -> int:
         return self.offset
@@ -368,9 +321,12 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
             self._update_in_place(kc, vc)
         else:
             self._update_concat(kc, vc, S)
+        return self._fetch(*self._held())
+
+    def _held(self) -> tuple[CodeBuffer, CodeBuffer]:
         if self.offset < self.keys.length:
-            return self._fetch(self.keys.slice(0, self.offset), self.values.slice(0, self.offset))
-        return self._fetch(self.keys, self.values)
+            return self.keys.slice(0, self.offset), self.values.slice(0, self.offset)
+        return self.keys, self.values
 
     def _update_concat(self, kc, vc, S):
         if self.keys is None:

@@ -17,7 +17,7 @@ from .codecs.base import Codec, check_int, from_config
 from .codecs.scalar import TurboQuantMSE
 
 __all__ = ["make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prompt_cache", "model_geometry",
-           "check_layers",
+           "check_layers", "content_digest",
            "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "turboquant-prompt-cache"
@@ -158,7 +158,7 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
     return _tag(out)
 
 
-def _digest(header_json: str, arrays: dict) -> str:
+def content_digest(header_json: str, arrays: dict) -> str:
     """SHA-256 over the header and every tensor (name, dtype, shape, bytes), in name order."""
     h = hashlib.sha256(header_json.encode())
     for name in sorted(arrays):
@@ -190,7 +190,7 @@ def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None) -> Non
     header = json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "layers": layers, "user": metadata or {}})
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.safetensors")
-    mx.save_safetensors(str(tmp), arrays, {"turboquant": header, "turboquant_sha256": _digest(header, arrays)})
+    mx.save_safetensors(str(tmp), arrays, {"turboquant": header, "turboquant_sha256": content_digest(header, arrays)})
     os.replace(tmp, path)
 
 
@@ -247,7 +247,7 @@ def _load_turboquant_layout(path, arrays, meta):
     if version >= 2:
         if "turboquant_sha256" not in meta:
             raise ValueError(f"{path}: the checksum (turboquant_sha256) is missing")
-        if _digest(meta["turboquant"], arrays) != meta["turboquant_sha256"]:
+        if content_digest(meta["turboquant"], arrays) != meta["turboquant_sha256"]:
             raise ValueError(f"{path}: checksum mismatch: the header or a tensor was changed or damaged")
     layers, user = header.get("layers"), header.get("user", {})
     if not isinstance(layers, list):

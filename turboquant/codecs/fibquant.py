@@ -38,7 +38,8 @@ from .base import check_int, register
 from .table import RotatedTable
 
 __all__ = ["FibQuant", "VectorCodebook", "fibquant_codebook", "spiral_codebook",
-           "companded_radii", "CODEBOOK_VERSION"]
+           "companded_radii", "directions", "generalized_golden", "build_seconds", "clear_memory_cache",
+           "CODEBOOK_VERSION", "MAX_BUILD_SECONDS"]
 
 CODEBOOK_VERSION = 2
 GOLDEN = (1 + math.sqrt(5)) / 2
@@ -77,7 +78,7 @@ def companded_radii(dim: int, k: int, n: int) -> np.ndarray:
     return np.sqrt(special.betaincinv(k / 2, beta, q))
 
 
-def _generalized_golden(k: int) -> float:
+def generalized_golden(k: int) -> float:
     """φ_k: the positive root of x^(k+1) = x + 1 (φ_1 = golden ratio)."""
     x = 2.0
     for _ in range(100):
@@ -85,7 +86,7 @@ def _generalized_golden(k: int) -> float:
     return x
 
 
-def _directions(k: int, n: int) -> np.ndarray:
+def directions(k: int, n: int) -> np.ndarray:
     """n low-discrepancy unit directions in R^k: (n, k)."""
     idx = np.arange(n)
     if k == 1:
@@ -98,7 +99,7 @@ def _directions(k: int, n: int) -> np.ndarray:
         theta = 2 * np.pi * idx * (1 - 1 / GOLDEN)
         s = np.sqrt(1 - z * z)
         return np.stack([s * np.cos(theta), s * np.sin(theta), z], 1)
-    phi = _generalized_golden(k)
+    phi = generalized_golden(k)
     alpha = 1 / phi ** np.arange(1, k + 1)
     u = np.mod(0.5 + np.outer(idx + 1, alpha), 1.0)
     g = special.ndtri(np.clip(u, 1e-12, 1 - 1e-12))
@@ -107,7 +108,7 @@ def _directions(k: int, n: int) -> np.ndarray:
 
 def spiral_codebook(dim: int, k: int, n: int) -> np.ndarray:
     """The unrefined Fibonacci codebook: companded radii times low-discrepancy directions."""
-    return companded_radii(dim, k, n)[:, None] * _directions(k, n)
+    return companded_radii(dim, k, n)[:, None] * directions(k, n)
 
 
 def _check(dim, k, n):
@@ -116,6 +117,12 @@ def _check(dim, k, n):
         raise ValueError(f"block size k={k} must divide D={dim}")
     if index_bits(int(n)) > MAX_PACK_BITS:
         raise ValueError(f"n_codewords={n} needs more than {MAX_PACK_BITS} bits per index")
+
+
+def clear_memory_cache() -> None:
+    """Forget the codebooks held in memory (the disk cache stays)."""
+    _codebook.cache_clear()
+    _built.clear()
 
 
 def _cache_dir() -> Path:
