@@ -63,7 +63,7 @@ def test_compress_decompress_keeps_shape_dtype_window_offset(layer):
     x = mx.random.normal((1, 150, 256), key=mx.random.key(4))
     kv = KVCache(SMALL.window)
     run(layer, kv, x, [150])
-    for tq in (TurboQuant(bits=4), TurboQuant(bits=2.5), TurboQuant(codec=lambda d: PolarQuant(d))):
+    for tq in (TurboQuant(payload_bits=4), TurboQuant(payload_bits=2.5), TurboQuant(codec=lambda d: PolarQuant(d))):
         q = tq.compress(kv)
         d = tq.decompress(q)
         assert d.k.shape == kv.k.shape and d.k.dtype == kv.k.dtype
@@ -75,11 +75,11 @@ def test_compress_decompress_keeps_shape_dtype_window_offset(layer):
     b = layer(nxt, cache=TurboQuant(codec=lambda d: Identity(d)).compress(KVCache_like(layer, x)))
     assert mx.abs(a - b).max().item() < 1e-5
     with pytest.raises(ValueError):
-        TurboQuant(bits=4).compress(KVCache(8))
+        TurboQuant(payload_bits=4).compress(KVCache(8))
     with pytest.raises(TypeError):
-        TurboQuant(bits=4).decompress(kv)
+        TurboQuant(payload_bits=4).decompress(kv)
     with pytest.raises(ValueError, match="whole number"):
-        TurboQuant(bits=2.3).codec(80)
+        TurboQuant(payload_bits=2.3).codec(80)
 
 
 def KVCache_like(layer, x):
@@ -120,3 +120,10 @@ def test_65536_steps_constant_memory_and_within_codec_error(layer):
     c = mx.concatenate(cos)
     assert len(sizes) == 1 and q.offset == 65536
     assert mx.mean(c).item() > 0.99 and mx.min(c).item() > 0.95
+
+
+def test_bits_means_one_thing_payload_bits_is_named_so():
+    with pytest.raises(TypeError, match="payload_bits"):
+        TurboQuant(bits=4)
+    codec = TurboQuant(payload_bits=4).codec(80)
+    assert codec.payload_bits == 4 and codec.bits_per_coordinate == 4 + 16 / 80

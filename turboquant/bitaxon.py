@@ -22,16 +22,18 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .attention import attention_from_codes, reference_attention
 from .codes import CodeBuffer, CodesView
+from .checks import check_int
 from .codecs.base import Codec
 from .codecs.fibquant import FibQuant
 from .codecs.scalar import TurboQuantMSE
+from .codecs.spec import CodecSpec, codec_for
 
 __all__ = ["SWAConfig", "BIT_AXON", "SMALL", "KVCache", "SWAttention", "QuantizedSWACache", "TurboQuant",
            "full_sequence_attention", "upstream_trimmed_prefill", "window_attention", "ring_fidelity"]
@@ -258,33 +260,36 @@ def full_sequence_attention(layer: SWAttention, x: mx.array) -> mx.array:
     return layer.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, c.hidden))
 
 
-CodecSpec = Union[Codec, Callable[[int], Codec], None]
-
-
 class TurboQuant:
-    """The plan's API: ``TurboQuant(bits=4)`` then ``compress(kv_cache)`` → a
+    """The plan's API: ``TurboQuant(payload_bits=4)`` then ``compress(kv_cache)`` → a
     ``QuantizedSWACache`` and ``decompress(qcache)`` → a ``KVCache``.
 
-    Integer ``bits`` use TurboQuant_mse; fractional bits use FibQuant with k = 2
-    (N = 2^(2b) codewords, so b must be a multiple of ½); or pass ``codec`` (an instance
-    or a callable head_dim → codec). Head size 80 works with every codec."""
+    ``payload_bits`` are stored index bits per coordinate, without the fp16 norm (so 4 →
+    4 + 16/D bits per coordinate); ``make_prompt_cache(bits=)`` is a different thing, a
+    budget that includes side information, hence the different name. Integer payloads use
+    TurboQuant_mse; fractional ones FibQuant with k = 2 (N = 2^(2b) codewords, so b must be
+    a multiple of ½); or pass ``codec`` (any codec spec: an instance, a config dict or a
+    callable head_dim → codec; ``turboquant.codecs.spec``). Head size 80 works with every
+    codec."""
 
-    def __init__(self, bits: float = 4, codec: CodecSpec = None, seed: int = 0):
-        if codec is None and not (isinstance(bits, (int, float)) and not isinstance(bits, bool) and bits > 0):
-            raise ValueError(f"bits must be a positive number, got {bits!r}")
-        self.bits, self.codec_spec, self.seed = bits, codec, seed
+    def __init__(self, payload_bits: float = 4, codec: CodecSpec = None, seed: int = 0, **kwargs):
+        if "bits" in kwargs:
+            raise TypeError("TurboQuant(bits=) is now TurboQuant(payload_bits=): index bits per "
+                            "coordinate without the fp16 norm (make_prompt_cache's bits= is a budget "
+                            "that includes it)")
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        if codec is None and not (isinstance(payload_bits, (int, float)) and not isinstance(payload_bits, bool)
+                                  and payload_bits > 0):
+            raise ValueError(f"payload_bits must be a positive number, got {payload_bits!r}")
+        self.payload_bits, self.codec_spec, self.seed = payload_bits, codec, check_int("seed", seed, 0)
 
     def codec(self, head_dim: int) -> Codec:
-        spec = self.codec_spec
-        if isinstance(spec, Codec):
-            if spec.dim != head_dim:
-                raise ValueError(f"codec has dim {spec.dim}, the cache has head size {head_dim}")
-            return spec
-        if callable(spec):
-            return spec(head_dim)
-        if float(self.bits).is_integer():
-            return TurboQuantMSE(head_dim, int(self.bits), seed=self.seed)
-        return FibQuant(head_dim, k=2, bits=float(self.bits), seed=self.seed)
+        if self.codec_spec is not None:
+            return codec_for(self.codec_spec, head_dim)
+        if float(self.payload_bits).is_integer():
+            return TurboQuantMSE(head_dim, int(self.payload_bits), seed=self.seed)
+        return FibQuant(head_dim, k=2, bits=float(self.payload_bits), seed=self.seed)
 
     def compress(self, kv_cache: KVCache) -> QuantizedSWACache:
         if not isinstance(kv_cache, KVCache):

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from .attention import attention_fidelity, patch_attention
 
 __all__ = ["encode_text", "perplexity", "cache_bits", "capture_qkv", "layer_fidelity",
-           "needle_prompt", "needle_accuracy", "top1_agreement", "greedy_agreement", "mean_cosine",
+           "needle_prompt", "needle_accuracy", "top1_agreement", "greedy_agreement",
            "key_statistics"]
 
 MakeCache = Optional[Callable[[], list]]
@@ -116,9 +116,9 @@ def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, windo
 def cache_bits(model, cache) -> float:
     """Measured bits per cached coordinate: total ``nbytes`` of the layer caches × 8 divided
     by (tokens × layers × 2 × kv heads × head size). Storage allocated in steps counts."""
-    a = model.args
-    D = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
-    H = getattr(a, "num_key_value_heads", None) or a.num_attention_heads
+    from .memory import geometry_from_model
+    g = geometry_from_model(model)
+    D, H = g.head_dim, g.n_kv_heads
     coords = sum(c.offset for c in cache) * 2 * H * D
     return 8 * sum(c.nbytes for c in cache) / coords if coords else float("nan")
 
@@ -246,12 +246,6 @@ def greedy_agreement(model, prompt: Sequence[int], n_tokens: int, make_cache, ch
     p = mx.array(list(prompt))[None]
     cont = _greedy(model, p, make_prompt_cache(model), n_tokens, chunk)
     return top1_agreement(model, p, mx.array(cont)[None], make_cache)
-
-
-def mean_cosine(fidelity: list[dict]) -> float:
-    """Mean over layers of the mean attention-output cosine similarity."""
-    return sum(f["cos_mean"] for f in fidelity) / len(fidelity)
-
 
 
 def key_statistics(captured: list[dict]) -> dict:

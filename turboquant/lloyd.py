@@ -17,6 +17,7 @@ from functools import lru_cache
 import numpy as np
 from scipy import integrate, special
 
+from .checks import check_int
 from .sphere import coordinate_cdf, coordinate_moment, coordinate_pdf, coordinate_ppf
 
 __all__ = ["ScalarCodebook", "BetaLaw", "GaussianLaw", "QuadratureLaw", "lloyd_max",
@@ -206,27 +207,15 @@ def _newton_step(law, c, residual):
     return new
 
 
-def _check_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= MAX_BITS:
-        raise ValueError(f"bits must be an int in 1..{MAX_BITS}, got {bits!r}")
-    return int(bits)
-
-
-def _check_dim(dim, minimum: int) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < minimum:
-        raise ValueError(f"dim must be an int >= {minimum}, got {dim!r}")
-    return int(dim)
-
-
 # Validation happens before the cache: lru_cache would treat True as 1.
 def beta_codebook(dim: int, bits: int) -> ScalarCodebook:
     """Lloyd–Max codebook with 2^bits levels for one coordinate of S^{dim−1} (cached)."""
-    return _beta_codebook(_check_dim(dim, 3), _check_bits(bits))
+    return _beta_codebook(check_int("dim", dim, 3), check_int("bits", bits, 1, MAX_BITS))
 
 
 def gaussian_codebook(dim: int, bits: int) -> ScalarCodebook:
     """Lloyd–Max codebook for the Gaussian limit N(0, 1/dim) (cached)."""
-    return _gaussian_codebook(_check_dim(dim, 1), _check_bits(bits))
+    return _gaussian_codebook(check_int("dim", dim, 1), check_int("bits", bits, 1, MAX_BITS))
 
 
 @lru_cache(maxsize=None)

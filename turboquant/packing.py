@@ -13,6 +13,8 @@ import math
 
 import mlx.core as mx
 
+from .checks import check_int
+
 __all__ = ["pack", "unpack", "packed_bytes", "index_bits"]
 
 MAX_PACK_BITS = 16
@@ -26,9 +28,7 @@ def index_bits(n_codewords: int) -> int:
 
 
 def _check_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= MAX_PACK_BITS:
-        raise ValueError(f"packing width must be an int in 1..{MAX_PACK_BITS}, got {bits!r}")
-    return bits
+    return check_int("packing width (bits)", bits, 1, MAX_PACK_BITS)
 
 
 def packed_bytes(n: int, bits: int) -> int:

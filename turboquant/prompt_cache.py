@@ -6,7 +6,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -14,7 +14,8 @@ from mlx_lm.models import cache as mlx_cache
 
 from .cache import TurboQuantKVCache, TurboQuantRotatingKVCache
 from .codecs.base import Codec, check_int, from_config
-from .codecs.scalar import TurboQuantMSE
+from .codecs.spec import CodecSpec, codec_pair
+from .memory import geometry_from_model
 
 __all__ = ["make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prompt_cache", "model_geometry",
            "check_layers", "content_digest",
@@ -22,19 +23,16 @@ __all__ = ["make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prom
 
 FORMAT = "turboquant-prompt-cache"
 FORMAT_VERSION = 2          # 2 adds a content checksum; version-1 files are still read
-CodecSpec = Union[Codec, dict, Callable[[int], Codec], None]
 
 
 def _head_dim(model) -> int:
-    a = model.args
-    return getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+    return geometry_from_model(model).head_dim
 
 
 def model_geometry(model) -> tuple[int, int, int]:
     """(layers, kv heads, head size) of an mlx-lm model."""
-    a = model.args
-    kv = getattr(a, "num_key_value_heads", None) or a.num_attention_heads
-    return len(model.layers), int(kv), int(_head_dim(model))
+    g = geometry_from_model(model)
+    return len(model.layers), g.n_kv_heads, g.head_dim
 
 
 def _tag(cache: list) -> list:
@@ -52,22 +50,6 @@ def check_layers(cache: list, model) -> None:
     n = len(model.layers)
     if len(cache) != n:
         raise ValueError(f"the prompt cache has {len(cache)} layers, the model has {n}")
-
-
-def _codec(spec: CodecSpec, dim: int, default_bits: int = 4) -> Codec:
-    """A codec for one layer: an instance (copied when it learns from data), a config dict,
-    a callable dim → codec, or None (TurboQuant_mse at ``default_bits``)."""
-    if spec is None:
-        return TurboQuantMSE(dim, default_bits)
-    if isinstance(spec, Codec):
-        if spec.dim != dim:
-            raise ValueError(f"codec has dim {spec.dim}, the model's head size is {dim}")
-        return from_config(spec.config()) if hasattr(spec, "fit") else spec
-    if isinstance(spec, dict):
-        return from_config(spec)
-    if callable(spec):
-        return spec(dim)
-    raise TypeError(f"a codec spec is a Codec, a config dict, a callable or None, got {type(spec).__name__}")
 
 
 def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec = None,
@@ -106,9 +88,7 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     reference = mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
     out, rotating = [], 0
     for c in reference:
-        kc, vc = _codec(key_codec, dim), _codec(value_codec if value_codec is not None else key_codec, dim)
-        if isinstance(kc, Codec) and hasattr(kc, "fit") and kc is vc:
-            vc = from_config(kc.config())
+        kc, vc = codec_pair(key_codec, value_codec, dim)
         if isinstance(c, mlx_cache.RotatingKVCache):
             size = c.max_size if max_kv_size is None else min(c.max_size, max_kv_size)
             out.append(TurboQuantRotatingKVCache(size, kc, vc, keep=min(c.keep, size - 1)))
@@ -142,7 +122,7 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
             continue
         keys, values = c.state[0], c.state[1]
         dim = keys.shape[-1]
-        kc, vc = _codec(key_codec, dim), _codec(value_codec if value_codec is not None else key_codec, dim)
+        kc, vc = codec_pair(key_codec, value_codec, dim)
         rotating = isinstance(c, mlx_cache.RotatingKVCache)
         new = (TurboQuantRotatingKVCache(c.max_size, kc, vc, keep=c.keep) if rotating
                else TurboQuantKVCache(kc, vc, fp_window=fp_window))

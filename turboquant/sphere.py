@@ -18,26 +18,20 @@ from __future__ import annotations
 import numpy as np
 from scipy import special
 
+from .checks import check_int
+
 __all__ = ["coordinate_pdf", "coordinate_cdf", "coordinate_ppf", "gaussian_limit_pdf",
            "coordinate_moment", "block_pdf", "sample_sphere", "sample_block",
            "block_radius_sq_mean"]
 
 
-def _check_dim(dim, minimum: int = 2) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < minimum:
-        raise ValueError(f"dim must be an int >= {minimum}, got {dim!r}")
-    return int(dim)
-
-
 def _check_block(dim: int, k) -> int:
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= dim:
-        raise ValueError(f"block size k must be an int in [1, {dim}], got {k!r}")
-    return int(k)
+    return check_int("block size k", k, 1, dim)
 
 
 def coordinate_pdf(x, dim: int):
     """Density f_D(x) of one coordinate of a uniform point on S^{D-1}; D ≥ 3."""
-    dim = _check_dim(dim, 3)
+    dim = check_int("dim", dim, 3)
     x = np.asarray(x, dtype=np.float64)
     logc = special.gammaln(dim / 2) - 0.5 * np.log(np.pi) - special.gammaln((dim - 1) / 2)
     inside = np.abs(x) < 1
@@ -48,28 +42,28 @@ def coordinate_pdf(x, dim: int):
 
 def coordinate_cdf(x, dim: int):
     """P(X ≤ x) for one coordinate: the regularized incomplete Beta at (x + 1)/2."""
-    dim = _check_dim(dim, 2)
+    dim = check_int("dim", dim, 2)
     a = (dim - 1) / 2
     return special.betainc(a, a, np.clip((np.asarray(x, dtype=np.float64) + 1) / 2, 0, 1))
 
 
 def coordinate_ppf(p, dim: int):
     """Inverse of ``coordinate_cdf``."""
-    dim = _check_dim(dim, 2)
+    dim = check_int("dim", dim, 2)
     a = (dim - 1) / 2
     return 2 * special.betaincinv(a, a, np.asarray(p, dtype=np.float64)) - 1
 
 
 def gaussian_limit_pdf(x, dim: int):
     """The D → ∞ limit of f_D: the N(0, 1/D) density."""
-    dim = _check_dim(dim, 1)
+    dim = check_int("dim", dim, 1)
     x = np.asarray(x, dtype=np.float64)
     return np.sqrt(dim / (2 * np.pi)) * np.exp(-dim * x * x / 2)
 
 
 def coordinate_moment(dim: int, order: int):
     """E[X^p] for one coordinate: 0 for odd p, Γ(m+½)Γ(D/2)/(√π Γ(D/2+m)) for p = 2m."""
-    dim = _check_dim(dim, 2)
+    dim = check_int("dim", dim, 2)
     if order % 2:
         return 0.0
     m = order // 2
@@ -79,7 +73,7 @@ def coordinate_moment(dim: int, order: int):
 
 def block_pdf(u, dim: int, k: int):
     """Spherical-Beta density f_{D,k}(u) on the unit ball B^k; ``u`` has shape (..., k)."""
-    dim = _check_dim(dim, 3)
+    dim = check_int("dim", dim, 3)
     k = _check_block(dim, k)
     if k > dim - 2:
         raise ValueError(f"the block density exists for k <= D-2, got k={k}, D={dim}")
@@ -96,12 +90,12 @@ def block_pdf(u, dim: int, k: int):
 
 def block_radius_sq_mean(dim: int, k: int) -> float:
     """E‖u‖² = k/D for a k-block (‖u‖² ~ Beta(k/2, (D−k)/2))."""
-    return _check_block(_check_dim(dim), k) / dim
+    return _check_block(check_int("dim", dim, 2), k) / dim
 
 
 def sample_sphere(n: int, dim: int, seed: int = 0) -> np.ndarray:
     """``n`` uniform points on S^{D-1}: shape (n, D), float64 (normalized Gaussians)."""
-    dim = _check_dim(dim, 1)
+    dim = check_int("dim", dim, 1)
     if not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
     g = np.random.default_rng(seed).standard_normal((n, dim))
@@ -113,7 +107,7 @@ def sample_block(n: int, dim: int, k: int, seed: int = 0) -> np.ndarray:
 
     ‖u‖² ~ Beta(k/2, (D−k)/2) and the direction is uniform on S^{k−1}, independently.
     """
-    dim = _check_dim(dim, 2)
+    dim = check_int("dim", dim, 2)
     k = _check_block(dim, k)
     rng = np.random.default_rng(seed)
     g = rng.standard_normal((n, k))

@@ -106,8 +106,8 @@ CHAPTER_CONFIGS = ("fp32", "mlx-lm affine 4", "uniform 4", "uniform 3", "TQ-mse 
 
 
 def _dims(model):
-    a = model.args
-    return getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+    from .memory import geometry_from_model
+    return geometry_from_model(model).head_dim
 
 
 def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window: int = 512,

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Mapping
 
 import mlx.core as mx
-import numpy as np
+
+from ..checks import check_int
 
 __all__ = ["Code", "Codec", "register", "from_config", "CODECS", "check_input", "split_norm",
            "FP16_MAX", "check_norms", "check_int"]
@@ -96,18 +97,6 @@ def split_norm(x: mx.array) -> tuple[mx.array, mx.array]:
     norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
     check_norms(norm)
     return norm, x / mx.where(norm > 0, norm, 1.0)
-
-
-def check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
-    """``value`` as a Python int: NumPy integers are accepted and converted; bools, floats
-    and anything else, or a value outside [lo, hi], raise ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        span = f"in {lo}..{hi}" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
-        raise ValueError(f"{name} must be an int {span}, got {value}")
-    return value
 
 
 class Codec:
