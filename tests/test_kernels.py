@@ -23,7 +23,7 @@ from turboquant.models import run_in_chunks, tiny_model
 
 needs_cxx = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler for the kernel emulation")
 
-CODECS = {
+KERNEL_CASES = {
     "mse1": lambda: TurboQuantMSE(64, 1), "mse3": lambda: TurboQuantMSE(128, 3),
     "mse4": lambda: TurboQuantMSE(128, 4), "mse5-haar": lambda: TurboQuantMSE(96, 5, rotation="haar"),
     "mse8": lambda: TurboQuantMSE(64, 8), "mse3-d80": lambda: TurboQuantMSE(80, 3),
@@ -112,9 +112,9 @@ def test_environment_modes(fresh_env):
 
 
 @needs_cxx
-@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_encode_kernel_equals_reference(emu, name):
-    codec = CODECS[name]()
+    codec = KERNEL_CASES[name]()
     x = vectors((2, 3, 40, codec.dim))
     with kernels.use(None):
         ref = codec.encode(x)
@@ -129,9 +129,9 @@ def test_encode_kernel_equals_reference(emu, name):
 
 
 @needs_cxx
-@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_score_and_value_kernels_equal_reference(emu, name):
-    codec = CODECS[name]()
+    codec = KERNEL_CASES[name]()
     code = codec.encode(vectors((2, 2, 70, codec.dim), seed=1))
     spec = kernels.spec_for(codec)
     q = mx.random.normal((2, 2, 3, 2, codec.dim), key=mx.random.key(2))      # (B, Hk, R, Tq, D)
@@ -147,7 +147,7 @@ def test_score_and_value_kernels_equal_reference(emu, name):
 @needs_cxx
 @pytest.mark.parametrize("name", ["mse3", "fib-k4"])
 def test_value_kernel_split_over_tokens(emu, name):
-    codec = CODECS[name]()
+    codec = KERNEL_CASES[name]()
     T = 1000
     code = codec.encode(vectors((1, 2, T, codec.dim), seed=9))
     w = mx.softmax(mx.random.normal((1, 2, 3, 1, T), key=mx.random.key(10)), axis=-1)
@@ -247,9 +247,9 @@ def test_cuda_translation_unit_compiles_with_nvcc(tmp_path, op):
 
 
 @pytest.mark.skipif(kernels.gpu_backend() is None, reason="mlx has no GPU back-end here")
-@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_gpu_kernels_equal_reference(name):
-    codec = CODECS[name]()
+    codec = KERNEL_CASES[name]()
     x = vectors((2, 3, 40, codec.dim))
     with kernels.use(None):
         ref = codec.encode(x)

@@ -7,7 +7,8 @@ from scipy import integrate
 from turboquant import PolarQuant, TurboQuantMSE, from_config
 from turboquant.codecs.polar import angle_codebook, angle_pdf, polar_inverse, polar_transform
 from turboquant.lloyd import QuadratureLaw, lloyd_max
-from turboquant.sphere import sample_sphere
+from turboquant.codecs import mse
+from turboquant.sphere import sample_sphere, unit_vectors
 
 
 def test_polar_transform_round_trip():
@@ -45,25 +46,13 @@ def test_bit_budget_and_padding():
 
 
 def test_distortion_between_turboquant_3_and_4_bits():
-    x = mx.array(sample_sphere(20000, 128, 1), dtype=mx.float32)
-    mse = lambda c: mx.mean(mx.sum((x - c.decode(c.encode(x))) ** 2, -1)).item()
-    polar = mse(PolarQuant(128))
-    assert mse(TurboQuantMSE(128, 4)) < polar < mse(TurboQuantMSE(128, 3))
+    x = unit_vectors(20000, 128, 1)
+    polar = mse(PolarQuant(128), x)
+    assert mse(TurboQuantMSE(128, 4), x) < polar < mse(TurboQuantMSE(128, 3), x)
     # it is what the per-level codebooks predict, not better: pinned at the measured 0.032
     assert polar == pytest.approx(0.0321, rel=0.03)
 
 
-def test_interface_rules():
-    c = PolarQuant(96, level_bits=(3, 2, 2), seed=4)
-    x = mx.random.normal((2, 7, 96), key=mx.random.key(1)).astype(mx.float16)
-    code = c.encode(x)
-    xh = c.decode(code)
-    assert xh.shape == x.shape and xh.dtype == mx.float16
-    assert code.nbytes == 14 * c.nbytes_per_vector
-    d = from_config(c.config())
-    assert mx.array_equal(d.decode(d.encode(x)), xh).item()
-    assert mx.all(c.decode(c.encode(mx.zeros((1, 96)))) == 0).item()
+def test_bad_level_bits():
     with pytest.raises(ValueError, match="level_bits"):
         PolarQuant(64, level_bits=(4, 0))
-    with pytest.raises(ValueError, match="NaN"):
-        c.encode(mx.full((1, 96), float("nan")))

@@ -129,7 +129,6 @@ def load_default(folder: str | os.PathLike | None = None):
     folder = Path(folder) if folder is not None else default_model_dir()
     if not _converted(folder, gguf):
         convert_gguf(gguf, folder)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model, tokenizer = load(str(folder))
+    model, tokenizer = load(str(folder))             # a local folder: mlx-lm does not reach the hub
     model.set_dtype(mx.float32)
     return model, tokenizer

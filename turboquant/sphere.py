@@ -21,7 +21,7 @@ from scipy import special
 from .checks import check_int
 
 __all__ = ["coordinate_pdf", "coordinate_cdf", "coordinate_ppf", "gaussian_limit_pdf",
-           "coordinate_moment", "block_pdf", "sample_sphere", "sample_block",
+           "coordinate_moment", "block_pdf", "sample_sphere", "unit_vectors", "sample_block",
            "block_radius_sq_mean"]
 
 
@@ -101,6 +101,12 @@ def sample_sphere(n: int, dim: int, seed: int = 0) -> np.ndarray:
     g = np.random.default_rng(seed).standard_normal((n, dim))
     return g / np.linalg.norm(g, axis=1, keepdims=True)
 
+
+
+def unit_vectors(n: int, dim: int, seed: int = 0):
+    """``sample_sphere`` as an mx float32 array (n, dim): uniform unit vectors, seeded."""
+    import mlx.core as mx
+    return mx.array(sample_sphere(n, dim, seed), dtype=mx.float32)
 
 def sample_block(n: int, dim: int, k: int, seed: int = 0) -> np.ndarray:
     """``n`` samples of f_{D,k}: shape (n, k), float64, without drawing whole D-vectors.

@@ -23,7 +23,7 @@ from .codecs import (AffineCodec, Centered, FibQuant, OutlierSplit, PolarQuant, 
 from .data import load_text
 from .prompt_cache import make_prompt_cache
 
-__all__ = ["Config", "CONFIGS", "CHAPTER_CONFIGS", "evaluate", "frontier_rows"]
+__all__ = ["mse_config", "best_under", "Config", "CONFIGS", "CHAPTER_CONFIGS", "evaluate", "frontier_rows"]
 
 
 @dataclass(frozen=True)
@@ -170,3 +170,29 @@ def frontier_rows(result: dict) -> list[tuple]:
         rows.append((name, r["family"], r["bits"], r["ppl"],
                      float("nan") if inc is None else 100 * inc))
     return sorted(rows, key=lambda t: (t[2], t[3] if not math.isnan(t[3]) else 0))
+
+
+def mse_config(key_bits: Optional[int] = None, value_bits: Optional[int] = None, center_keys: bool = False,
+               sink_tokens: int = 0) -> Config:
+    """A TurboQuant_mse configuration: ``key_bits``/``value_bits`` (None: kept exactly, the
+    ``Identity`` codec), keys optionally ``Centered``, ``sink_tokens`` exact leading tokens.
+    ``mse_config(4, 4, True, 1).make_cache(model)`` is a cache factory for ``turboquant.eval``."""
+    from .codecs import Centered, Identity, TurboQuantMSE
+
+    def factory(bits, centered):
+        if bits is None:
+            return lambda d: Identity(d)
+        return (lambda d: Centered(TurboQuantMSE(d, bits))) if centered else (lambda d: TurboQuantMSE(d, bits))
+    return Config("TQ-mse", key=factory(key_bits, center_keys), value=factory(value_bits, False),
+                  sink_tokens=sink_tokens)
+
+
+def best_under(result: dict, bits: float, exclude=("reference", "recent window")) -> tuple:
+    """(increase %, name, bits) of the configuration of ``result`` (``evaluate``'s output)
+    with the smallest perplexity increase within ``bits`` bits per coordinate; families in
+    ``exclude`` are left out."""
+    fits = [(inc, n, b) for n, fam, b, ppl, inc in frontier_rows(result)
+            if b <= bits + 1e-9 and fam not in exclude]
+    if not fits:
+        raise ValueError(f"no configuration within {bits} bits per coordinate")
+    return min(fits)

@@ -1,5 +1,5 @@
 """Codecs: one file each, one interface (``base.Codec``)."""
-from .base import CODECS, Code, Codec, from_config
+from .base import CODECS, Code, Codec, from_config, mse
 from .affine import AffineCodec
 from .center import Centered
 from .fibquant import FibQuant
@@ -9,4 +9,4 @@ from .qjl import QJL, TurboQuantProd
 from .scalar import TurboQuantMSE
 from .split import OutlierSplit
 
-__all__ = ["CODECS", "Code", "Codec", "from_config", "TurboQuantMSE", "AffineCodec", "QJL", "TurboQuantProd", "PolarQuant", "FibQuant", "Identity", "OutlierSplit", "Centered"]
+__all__ = ["CODECS", "Code", "Codec", "from_config", "mse", "TurboQuantMSE", "AffineCodec", "QJL", "TurboQuantProd", "PolarQuant", "FibQuant", "Identity", "OutlierSplit", "Centered"]

@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..checks import check_int
 
 __all__ = ["Code", "Codec", "register", "from_config", "CODECS", "check_input", "split_norm",
-           "FP16_MAX", "check_norms", "check_int"]
+           "FP16_MAX", "check_norms", "check_int", "mse"]
 
 FP16_MAX = 65504.0
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
@@ -97,6 +97,11 @@ def split_norm(x: mx.array) -> tuple[mx.array, mx.array]:
     norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
     check_norms(norm)
     return norm, x / mx.where(norm > 0, norm, 1.0)
+
+
+def mse(codec: "Codec", x: mx.array) -> float:
+    """E‖x − x̂‖² over the rows of x (..., D): the measured distortion of ``codec``."""
+    return mx.mean(mx.sum((x - codec.decode(codec.encode(x))) ** 2, axis=-1)).item()
 
 
 class Codec:
