@@ -4,11 +4,11 @@ import pytest
 
 from turboquant import memory
 from turboquant.attention import cosine_similarity
+from turboquant.demos import upstream_trimmed_prefill
 from turboquant.bitaxon import (BIT_AXON, SMALL, KVCache, QuantizedSWACache, SWAConfig, SWAttention, TurboQuant,
-                               upstream_trimmed_prefill,
                                 full_sequence_attention)
 from turboquant.models import run_in_chunks
-from turboquant.codecs import FibQuant, Identity, PolarQuant, TurboQuantMSE, TurboQuantProd
+from turboquant.codecs import Centered, FibQuant, Identity, OutlierSplit, PolarQuant, TurboQuantMSE, TurboQuantProd
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_any_split_equals_full_sequence_attention(layer, splits):
 
 
 def test_upstream_defect_is_real(layer):
-    # trimming before attention (the upstream order, bitaxon.upstream_trimmed_prefill) gives
+    # trimming before attention (the upstream order, demos.upstream_trimmed_prefill) gives
     # NaN rows for a prefill longer than the window; our layer does not
     x = mx.random.normal((1, 100, 256), key=mx.random.key(2))
     bad = upstream_trimmed_prefill(layer, x)
@@ -127,3 +127,13 @@ def test_bits_means_one_thing_payload_bits_is_named_so():
         TurboQuant(bits=4)
     codec = TurboQuant(payload_bits=4).codec(80)
     assert codec.payload_bits == 4 and codec.bits_per_coordinate == 4 + 16 / 80
+
+
+@pytest.mark.parametrize("make", [lambda d: Centered(TurboQuantMSE(d, 4)),
+                                  lambda d: OutlierSplit(d, n_outliers=16, outlier_bits=4, bits=3, rotation="haar")])
+def test_the_ring_fits_codecs_that_learn(layer, make):
+    x = mx.random.normal((1, 100, 256), key=mx.random.key(4))
+    cache = QuantizedSWACache(SMALL.window, make(SMALL.head_dim))
+    out = layer(x, cache=cache)
+    ref = full_sequence_attention(layer, x)
+    assert cache.key_codec.fitted and mx.mean(cosine_similarity(out, ref)).item() > 0.95

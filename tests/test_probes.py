@@ -452,3 +452,23 @@ def test_a_long_codebook_build_shows_a_progress_bar_on_a_terminal(tmp_path, monk
     fibquant.clear_memory_cache()
     fibquant.fibquant_codebook(32, 2, 128, seed=6)
     assert quiet.getvalue() == ""
+
+
+def test_to_turboquant_takes_the_options_of_make_prompt_cache(llama):
+    t = toks(30)
+    ref = [mlx_cache.KVCache() for _ in llama.layers]
+    run_in_chunks(llama, t, ref, [30])
+    keys = ref[0].state[0][..., :30, :]
+    conv = tq.to_turboquant(ref, bits=4.25, model=llama)
+    kept = tq.to_turboquant(ref, sink_tokens=2, fp_window=3)
+    direct = tq.make_prompt_cache(llama, bits=4.25)
+    run_in_chunks(llama, t, direct, [30])
+    assert conv[0].sink_tokens == direct[0].sink_tokens == 1
+    assert conv[0].key_codec.name == direct[0].key_codec.name == "centered"
+    assert mx.array_equal(conv[0].sink_keys, keys[..., :1, :]).item()                  # the sink is exact
+    nxt = toks(1, seed=3)
+    exact = llama(nxt, cache=ref)
+    from turboquant.attention import cosine_similarity
+    assert cosine_similarity(llama(nxt, cache=conv), exact).min().item() > 0.99
+    assert kept[0].sink_tokens == 2 and kept[0].fp_window == 3 and kept[0].sink_keys.shape[2] == 2
+    assert mx.array_equal(kept[0].recent_keys, keys[..., -3:, :]).item()

@@ -111,7 +111,7 @@ def test_cache_bits_counts_every_byte(smol):
 
 def test_bitaxon_ring_on_real_keys(smol, wiki):
     """Chapter 8's measurement, smaller: a prefill of 4 windows through the ring of codes."""
-    from turboquant.bitaxon import ring_fidelity
+    from turboquant.eval import ring_fidelity
     cap = capture_qkv(smol[0], wiki[:512])[::6]                       # 5 of the 30 layers
     exact = ring_fidelity(cap, lambda d: Identity(d), window=128, chunk=64)
     assert all(f["rel_error"] < 1e-5 for f in exact)                  # pass-through ring = exact window

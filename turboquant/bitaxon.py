@@ -36,7 +36,7 @@ from .codecs.scalar import TurboQuantMSE
 from .codecs.spec import CodecSpec, codec_for
 
 __all__ = ["SWAConfig", "BIT_AXON", "SMALL", "KVCache", "SWAttention", "QuantizedSWACache", "TurboQuant",
-           "full_sequence_attention", "upstream_trimmed_prefill", "window_attention", "ring_fidelity"]
+           "full_sequence_attention", "window_attention", "positions_mask"]
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,8 @@ class QuantizedSWACache:
             if not isinstance(a, mx.array) or a.ndim != 4 or a.shape[-1] != c.dim:
                 raise ValueError(f"{name} must have shape (B, H, T, {c.dim}), got {getattr(a, 'shape', None)}")
         self.dtype = xk.dtype
-        kc, vc = CodeBuffer(self.key_codec.encode(xk).arrays), CodeBuffer(self.value_codec.encode(xv).arrays)
+        kc = CodeBuffer(self.key_codec.fit_once(xk).encode(xk).arrays)
+        vc = CodeBuffer(self.value_codec.fit_once(xv).encode(xv).arrays)
         T = xk.shape[2]
         prev_k = self._ordered(self.keys) if self.keys is not None and self.offset else None
         prev_v = self._ordered(self.values) if self.values is not None and self.offset else None
@@ -168,7 +169,7 @@ class _Shape:
         self.shape = shape
 
 
-def _positions_mask(q_pos: mx.array, k_pos: mx.array, window: int) -> mx.array:
+def positions_mask(q_pos: mx.array, k_pos: mx.array, window: int) -> mx.array:
     """Query at p sees key at j when p − W < j ≤ p: (Tq, Tk) bool."""
     d = q_pos[:, None] - k_pos[None, :]
     return (d >= 0) & (d < window)
@@ -219,7 +220,7 @@ def window_attention(q: mx.array, k: mx.array, v: mx.array, cache, window: int, 
         q_pos = mx.arange(start + s, start + e)
         lo = max(0, (start + s - window + 1) - (start - n_prev))        # first key any query here sees
         hi = (start + e) - (start - n_prev)
-        mask = _positions_mask(q_pos, k_pos[lo:hi], window)
+        mask = positions_mask(q_pos, k_pos[lo:hi], window)
         if isinstance(k, CodesView):
             kv = CodesView(k.codec, k.buffer.slice(lo, hi), k.dtype)
             vv = CodesView(v.codec, v.buffer.slice(lo, hi), v.dtype)
@@ -229,25 +230,6 @@ def window_attention(q: mx.array, k: mx.array, v: mx.array, cache, window: int, 
     return mx.concatenate(outs, axis=2)
 
 
-def ring_fidelity(captured: list[dict], codec: Callable[[int], Codec], window: int, chunk: int = 512,
-                  value_codec: Optional[Callable[[int], Codec]] = None) -> list[dict]:
-    """Per layer of a real model: the window attention of its captured queries, keys and
-    values (``turboquant.eval.capture_qkv``; one prefill, so it runs past the window) through
-    a ``QuantizedSWACache`` (keys with ``codec(D)``, values with ``value_codec`` or the same)
-    against the same attention on exact keys and values. Returns per layer {"cos_mean",
-    "cos_min", "rel_error"} over every query row and head."""
-    from .attention import output_fidelity
-    out = []
-    for layer in captured:
-        q, k, v, scale = layer["q"], layer["k"], layer["v"], layer["scale"]
-        D = k.shape[-1]
-        ring = QuantizedSWACache(window, codec(D), None if value_codec is None else value_codec(D))
-        approx = window_attention(q, k, v, ring, window, chunk, scale)
-        exact = window_attention(q, k, v, None, window, chunk, scale)
-        out.append(output_fidelity(approx, exact))
-    return out
-
-
 def full_sequence_attention(layer: SWAttention, x: mx.array) -> mx.array:
     """The reference: one masked attention over the whole sequence, no cache, no chunks."""
     B, T, _ = x.shape
@@ -255,7 +237,7 @@ def full_sequence_attention(layer: SWAttention, x: mx.array) -> mx.array:
     q, k, v = layer.project(x)
     pos = mx.arange(T)
     scores = (q / math.sqrt(c.head_dim)) @ mx.swapaxes(k, -1, -2)
-    scores = mx.where(_positions_mask(pos, pos, c.window), scores, -mx.inf)
+    scores = mx.where(positions_mask(pos, pos, c.window), scores, -mx.inf)
     out = mx.softmax(scores, axis=-1, precise=True) @ v
     return layer.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, c.hidden))
 
@@ -312,18 +294,3 @@ class TurboQuant:
             vv = CodesView(qcache.value_codec, qcache._ordered(qcache.values), qcache.dtype)
             out.k, out.v = kv.dequantize(), vv.dequantize()
         return out
-
-
-def upstream_trimmed_prefill(layer: SWAttention, x: mx.array) -> mx.array:
-    """Reproduces the upstream defect, for the book: the cache keeps only the last W keys
-    *before* attention, so in a prefill of T > W tokens the first T − W queries see no key
-    at all and their softmax is over −inf only (NaN rows). Returns (B, T, hidden)."""
-    B, T, _ = x.shape
-    c = layer.config
-    q, k, v = layer.project(x)
-    k, v = k[:, :, -c.window:], v[:, :, -c.window:]                     # trimmed first
-    k_pos = mx.arange(T)[-c.window:]
-    scores = (q / math.sqrt(c.head_dim)) @ mx.swapaxes(k, -1, -2)
-    scores = mx.where(_positions_mask(mx.arange(T), k_pos, c.window), scores, -mx.inf)
-    out = mx.softmax(scores, axis=-1) @ v
-    return layer.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, c.hidden))

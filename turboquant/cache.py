@@ -65,12 +65,6 @@ def _copy_array(a):
     return None if a is None else mx.array(a)
 
 
-def _prepare(codec: Codec, x: mx.array) -> Codec:
-    if hasattr(codec, "fit") and not getattr(codec, "fitted", True):
-        codec.fit(x)
-    return codec
-
-
 class TurboQuantKVCache:
     """A KV cache of codes: ``TurboQuantKVCache(key_codec, value_codec=None, fp_window=0,
     sink_tokens=0)``.
@@ -131,8 +125,8 @@ class TurboQuantKVCache:
         self.dtype = keys.dtype
 
     def _encode(self, keys, values):
-        kc = _prepare(self.key_codec, keys).encode(keys)
-        vc = _prepare(self.value_codec, values).encode(values)
+        kc = self.key_codec.fit_once(keys).encode(keys)
+        vc = self.value_codec.fit_once(values).encode(values)
         return CodeBuffer(kc.arrays), CodeBuffer(vc.arrays)
 
     def _update_sink(self, prev, keys, values):

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from .attention import attention_fidelity, patch_attention
 
 __all__ = ["encode_text", "perplexity", "cache_bits", "capture_qkv", "layer_fidelity",
-           "needle_prompt", "needle_accuracy", "top1_agreement", "greedy_agreement",
+           "needle_prompt", "needle_accuracy", "top1_agreement", "greedy_agreement", "ring_fidelity",
            "key_statistics"]
 
 MakeCache = Optional[Callable[[], list]]
@@ -266,3 +266,23 @@ def key_statistics(captured: list[dict]) -> dict:
         d = mx.linalg.norm(k - mu, axis=-1)                                   # (1, H, T)
         dist.append(mx.mean(d[..., 0] / mx.mean(d[..., 1:], axis=-1)).item())
     return {"sink_mass": mass, "centered_energy": energy, "sink_distance": dist}
+
+
+def ring_fidelity(captured: list[dict], codec: Callable[[int], Codec], window: int, chunk: int = 512,
+                  value_codec: Optional[Callable[[int], Codec]] = None) -> list[dict]:
+    """Per layer of a real model: the window attention of its captured queries, keys and
+    values (``turboquant.eval.capture_qkv``; one prefill, so it runs past the window) through
+    a ``QuantizedSWACache`` (keys with ``codec(D)``, values with ``value_codec`` or the same)
+    against the same attention on exact keys and values. Returns per layer {"cos_mean",
+    "cos_min", "rel_error"} over every query row and head."""
+    from .attention import output_fidelity
+    from .bitaxon import QuantizedSWACache, window_attention
+    out = []
+    for layer in captured:
+        q, k, v, scale = layer["q"], layer["k"], layer["v"], layer["scale"]
+        D = k.shape[-1]
+        ring = QuantizedSWACache(window, codec(D), None if value_codec is None else value_codec(D))
+        approx = window_attention(q, k, v, ring, window, chunk, scale)
+        exact = window_attention(q, k, v, None, window, chunk, scale)
+        out.append(output_fidelity(approx, exact))
+    return out

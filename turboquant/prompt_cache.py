@@ -108,13 +108,24 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
 
 
 def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSpec = None,
-                  fp_window: int = 0, model=None) -> list:
+                  fp_window: int = 0, model=None, sink_tokens: int = 0, bits: Optional[float] = None) -> list:
     """Convert filled mlx-lm caches (``KVCache``, ``RotatingKVCache``) into TurboQuant ones,
-    encoding what they hold; other entries are returned unchanged. With ``model``, the
-    number of caches is checked against its layers."""
+    encoding what they hold; other entries are returned unchanged. The options mean what
+    they mean for ``make_prompt_cache`` (``fp_window`` and ``sink_tokens`` on plain layers;
+    ``bits`` a measured budget). With ``model``, the number of caches is checked against
+    its layers."""
     if model is not None:
         check_layers(cache, model)
-    fp_window = check_int("fp_window", fp_window, 0)
+    fp_window, sink_tokens = check_int("fp_window", fp_window, 0), check_int("sink_tokens", sink_tokens, 0)
+    if bits is not None:
+        from .budget import codecs_for, pick
+        if key_codec is not None or value_codec is not None or sink_tokens:
+            raise ValueError("give either bits= or key_codec/value_codec/sink_tokens, not both")
+        filled = [c for c in cache if isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)) and not c.empty()]
+        if filled:
+            choice = pick(bits, filled[0].state[0].shape[-1])
+            key_codec, value_codec = codecs_for(choice)
+            sink_tokens = choice.sink_tokens
     out = []
     for c in cache:
         if not isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)) or c.empty():
@@ -125,7 +136,7 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
         kc, vc = codec_pair(key_codec, value_codec, dim)
         rotating = isinstance(c, mlx_cache.RotatingKVCache)
         new = (TurboQuantRotatingKVCache(c.max_size, kc, vc, keep=c.keep) if rotating
-               else TurboQuantKVCache(kc, vc, fp_window=fp_window))
+               else TurboQuantKVCache(kc, vc, fp_window=fp_window, sink_tokens=sink_tokens))
         n = min(c.offset, keys.shape[2])          # slots held (a ring may hold fewer than offset)
         k, v = keys[..., :n, :], values[..., :n, :]
         new._check(k, v)
@@ -134,6 +145,8 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
         if rotating:
             new._idx = c._idx                     # same ring layout as the source cache
         new._update_recent(k, v)
+        if not rotating:
+            new._update_sink(0, k, v)
         out.append(new)
     return _tag(out)
 

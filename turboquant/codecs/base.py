@@ -168,6 +168,13 @@ class Codec:
         """Bytes that codes for ``n_vectors`` vectors occupy."""
         return n_vectors * self.nbytes_per_vector
 
+    def fit_once(self, x: mx.array) -> "Codec":
+        """Fit on x if this codec learns from data (``fit``) and has not yet; returns self.
+        Caches call it with the first tensor they see."""
+        if hasattr(self, "fit") and not getattr(self, "fitted", True):
+            self.fit(x)
+        return self
+
     def attention_view(self, code: Code):
         """(codec whose codes attention reads, its code, μ or None): a codec that stores
         x − μ (``Centered``) returns its inner codec and μ, so attention adds μ back exactly."""
