@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 
 from turboquant.codecs import mse
-from turboquant import FibQuant, TurboQuantMSE, from_config
+from turboquant import FibQuant, TurboQuantMSE
 from turboquant.codecs import fibquant as fq
-from turboquant.sphere import sample_sphere
+from turboquant.sphere import unit_vectors
 
 D = 64
 
 
 @pytest.fixture(scope="module")
 def x():
-    return mx.array(sample_sphere(20000, D, 1), dtype=mx.float32)
+    return unit_vectors(20000, D, 1)
 
 
 

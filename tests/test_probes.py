@@ -154,7 +154,7 @@ def test_trim_with_fp_window_is_refused_not_inexact(llama):
     plain = tq.make_prompt_cache(llama)
     run_in_chunks(llama, toks(40), plain, [40])
     for c in (plain[0], tq.TurboQuantRotatingKVCache(8, tq.Identity(16))):
-        with pytest.raises(ValueError, match="n >= 0"):
+        with pytest.raises(ValueError, match="n must be an int >= 0"):
             c.trim(-1)
 
 
@@ -472,3 +472,57 @@ def test_to_turboquant_takes_the_options_of_make_prompt_cache(llama):
     assert cosine_similarity(llama(nxt, cache=conv), exact).min().item() > 0.99
     assert kept[0].sink_tokens == 2 and kept[0].fp_window == 3 and kept[0].sink_keys.shape[2] == 2
     assert mx.array_equal(kept[0].recent_keys, keys[..., -3:, :]).item()
+
+
+# -------------------------------------------------------------- found in review
+def test_a_cache_trimmed_to_zero_saves_and_loads(tmp_path, llama):
+    for cache in (tq.make_prompt_cache(llama), tq.make_prompt_cache(llama, max_kv_size=16)):
+        run_in_chunks(llama, toks(10), cache, [10])
+        assert mlx_cache.trim_prompt_cache(cache, 10) == 10
+        tq.save_prompt_cache(tmp_path / "zero.bin", cache)
+        loaded = tq.load_prompt_cache(tmp_path / "zero.bin")
+        nxt = toks(3, seed=2)
+        assert mx.array_equal(llama(nxt, cache=cache), llama(nxt, cache=loaded)).item()
+
+
+def test_models_that_take_fewer_caches_than_layers_are_accepted(llama, tmp_path):
+    shared = tiny_model("llama", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2)
+    shared.make_cache = lambda: [mlx_cache.KVCache() for _ in range(2)]   # e.g. layers sharing a cache
+    cache = tq.make_prompt_cache(shared)
+    assert len(cache) == 2
+    from turboquant.prompt_cache import check_layers
+    check_layers(cache, shared)
+    with pytest.raises(ValueError, match="3"):
+        check_layers(cache + cache[:1], shared)
+
+
+def test_bit_axon_ring_does_not_share_a_learning_codec():
+    from turboquant.bitaxon import QuantizedSWACache
+    ring = QuantizedSWACache(8, tq.Centered(tq.TurboQuantMSE(64, 4)))
+    k = mx.random.normal((1, 2, 5, 64), key=mx.random.key(0)) + 3
+    v = mx.random.normal((1, 2, 5, 64), key=mx.random.key(1)) - 3
+    ring.update_and_fetch(k, v)
+    assert ring.key_codec is not ring.value_codec
+    assert mx.mean(ring.key_codec.mean).item() > 2 and mx.mean(ring.value_codec.mean).item() < -2
+
+
+def test_unregistered_codec_subclasses_still_copy():
+    class Mine(tq.TurboQuantMSE):
+        name = "mine_not_registered"
+
+        def config(self):
+            return {**super().config(), "codec": self.name}
+
+    c = Mine(64, 3)
+    assert copy.deepcopy(c).config() == c.config()
+
+
+def test_scalar_byte_tables_only_where_whole_bytes_hold_indices():
+    from turboquant.attention import attention_from_codes, reference_attention
+    codec = tq.TurboQuantMSE(20, 1, rotation="haar")                 # D·b = 20 bits: not whole bytes
+    c = tq.TurboQuantKVCache(codec)
+    k = mx.random.normal((1, 1, 6, 20), key=mx.random.key(0))
+    kd, vd = c.update_and_fetch(k, k)
+    kv, vv = c.codes()
+    q = mx.random.normal((1, 2, 1, 20), key=mx.random.key(1))
+    assert mx.abs(attention_from_codes(q, kv, vv) - reference_attention(q, kd, vd)).max().item() < 1e-5

@@ -5,7 +5,7 @@ import pytest
 
 from turboquant import TurboQuantMSE, from_config
 from turboquant.codecs import mse
-from turboquant.sphere import sample_sphere, unit_vectors
+from turboquant.sphere import unit_vectors
 
 PAPER_D128 = {1: 0.3609, 2: 0.1160, 3: 0.0340, 4: 0.0093}
 

@@ -1,6 +1,6 @@
-"""The package's structure: no import cycles inside ``turboquant`` (issue #14). Every import
-counts, at module level or inside a function: lower layers never import higher ones
-(math ← codecs ← kernels ← attention ← caches ← models and evaluation ← faces)."""
+"""The package's structure (issue #14): no import cycle inside ``turboquant`` — every import
+counts, at module level or inside a function — and no test or chapter reaching into a
+private name of the package."""
 import ast
 from pathlib import Path
 

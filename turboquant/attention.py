@@ -212,7 +212,11 @@ def patch_attention(model, wrap):
     try:
         yield model
     finally:
-        _WRAPS.set(tuple(w for w in _WRAPS.get() if w is not wrap))
+        wraps = list(_WRAPS.get())
+        wraps.reverse()
+        wraps.remove(wrap)                                  # this block's own (the innermost) entry
+        wraps.reverse()
+        _WRAPS.set(tuple(wraps))
         with _PATCH_LOCK:
             for m in modules:
                 entry = _PATCHED[m]
@@ -232,7 +236,8 @@ def codes_attention(model):
     """
     from .cache import returning_codes
     from .codes import CodesView
-    n_layers = len(model.layers) if hasattr(model, "layers") else None
+    from .memory import cache_count
+    n_layers = cache_count(model) if hasattr(model, "layers") else None
 
     def wrap(original):
         def sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, **kwargs):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -93,7 +93,9 @@ class QuantizedSWACache:
             raise ValueError(f"window_size must be a positive int, got {window_size!r}")
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a turboquant codec, got {type(codec).__name__}")
-        self.window_size, self.key_codec, self.value_codec = window_size, codec, value_codec or codec
+        if value_codec is None:                      # a learning codec is never shared by K and V
+            value_codec = copy.deepcopy(codec) if hasattr(codec, "fit") else codec
+        self.window_size, self.key_codec, self.value_codec = window_size, codec, value_codec
         self.keys: Optional[CodeBuffer] = None
         self.values: Optional[CodeBuffer] = None
         self.offset = 0
@@ -157,8 +159,7 @@ class QuantizedSWACache:
         """An independent copy (mx arrays copied; codecs rebuilt from their configurations)."""
         new = QuantizedSWACache(self.window_size, copy.deepcopy(self.key_codec), copy.deepcopy(self.value_codec))
         if self.keys is not None:
-            new.keys = CodeBuffer({n: mx.array(a) for n, a in self.keys.fields.items()})
-            new.values = CodeBuffer({n: mx.array(a) for n, a in self.values.fields.items()})
+            new.keys, new.values = self.keys.copy(), self.values.copy()
         new.offset, new.dtype = self.offset, self.dtype
         memo[id(self)] = new
         return new

@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from typing import Optional
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
+from .checks import check_int
 from .codecs.base import Codec
 from .codes import CodeBuffer, CodesView
 
@@ -45,7 +45,7 @@ def returning_codes():
     try:
         yield
     finally:
-        codes_mode.set(codes_mode.get() - 1)
+        codes_mode.set(max(0, codes_mode.get() - 1))
 
 
 def _append(old: Optional[mx.array], new: mx.array) -> mx.array:
@@ -54,9 +54,7 @@ def _append(old: Optional[mx.array], new: mx.array) -> mx.array:
 
 
 def _check_trim(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise ValueError(f"trim(n) needs an int n >= 0, got {n!r}")
-    return int(n)
+    return check_int("trim(n): n", n, 0)
 
 
 def _copy_array(a):
@@ -81,10 +79,7 @@ class TurboQuantKVCache:
                  sink_tokens: int = 0):
         if not isinstance(key_codec, Codec) or not isinstance(value_codec or key_codec, Codec):
             raise TypeError("key_codec and value_codec must be turboquant codecs")
-        if isinstance(fp_window, bool) or not isinstance(fp_window, int) or fp_window < 0:
-            raise ValueError(f"fp_window must be a non-negative int, got {fp_window!r}")
-        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be a non-negative int, got {sink_tokens!r}")
+        fp_window, sink_tokens = check_int("fp_window", fp_window, 0), check_int("sink_tokens", sink_tokens, 0)
         self.sink_tokens = sink_tokens
         self.sink_keys = self.sink_values = None
         self.key_codec, self.value_codec = key_codec, value_codec or key_codec
@@ -145,7 +140,7 @@ class TurboQuantKVCache:
 
     def _fetch(self, kbuf: CodeBuffer, vbuf: CodeBuffer):
         k, v = self._fetch_views(kbuf, vbuf)
-        if codes_mode.get():
+        if codes_mode.get() > 0:
             return k, v
         return k.dequantize(), v.dequantize()
 
@@ -225,7 +220,7 @@ class TurboQuantKVCache:
         ``meta_state``, lets a file written by ``mlx_lm.save_prompt_cache`` be rebuilt by
         ``turboquant.load_prompt_cache``."""
         meta = json.dumps(self.meta_state)
-        if self.keys is None:
+        if self.keys is None or self.offset == 0:
             return {}, {}, {}, meta
         rec = {"k": self.recent_keys, "v": self.recent_values} if self.fp_window and self.recent_keys is not None else {}
         if self.sink_keys is not None:
@@ -289,10 +284,8 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
 
     def __init__(self, max_size: int, key_codec: Codec, value_codec: Optional[Codec] = None, keep: int = 0):
         super().__init__(key_codec, value_codec, fp_window=0)
-        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
-            raise ValueError(f"max_size must be a positive int, got {max_size!r}")
-        if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep < max_size:
-            raise ValueError(f"keep must be an int in [0, max_size), got {keep!r}")
+        max_size = check_int("max_size", max_size, 1)
+        keep = check_int("keep", keep, 0, max_size - 1)
         self.max_size, self.keep, self._idx = max_size, keep, 0
 
     def _trim(self, trim_size: int, buf: CodeBuffer, append: Optional[CodeBuffer] = None) -> CodeBuffer:
@@ -387,7 +380,7 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
     @property
     def state(self):
         meta = json.dumps(self.meta_state)
-        if self.keys is None:
+        if self.keys is None or self.offset == 0:
             return {}, {}, {}, meta
         return self.keys.fields, self.values.fields, {}, meta
 

@@ -45,6 +45,10 @@ class CodeBuffer:
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.fields.values())
 
+    def copy(self) -> "CodeBuffer":
+        """An independent copy: in-place writes into one are not seen by the other."""
+        return CodeBuffer({n: mx.array(f) for n, f in self.fields.items()})
+
 
 class CodesView:
     """What ``update_and_fetch`` returns in codes mode: the codes attention should read."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,6 +21,9 @@ from .attention import attention_fidelity, patch_attention
 __all__ = ["encode_text", "perplexity", "cache_bits", "capture_qkv", "layer_fidelity",
            "needle_prompt", "needle_accuracy", "top1_agreement", "greedy_agreement", "ring_fidelity",
            "key_statistics"]
+
+if TYPE_CHECKING:
+    from .codecs.base import Codec
 
 MakeCache = Optional[Callable[[], list]]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "Layer", "AttentionGeometry", "PRESETS", "kv_cache_bytes", "cached_tokens",
-    "affine_side_bits", "NORM_SIDE_BITS", "bits_per_coordinate", "geometry_from_model",
+    "affine_side_bits", "NORM_SIDE_BITS", "bits_per_coordinate", "geometry_from_model", "cache_count",
 ]
 
 NORM_SIDE_BITS = 16  # one fp16 norm per stored vector
@@ -198,3 +198,9 @@ def measured_nbytes(model, cache: list, prompt_tokens: int, decode_steps: int = 
     for i in range(decode_steps):
         mx.eval(model(tokens[:, prompt_tokens + i: prompt_tokens + i + 1], cache=cache))
     return sum(c.nbytes for c in cache)
+
+
+def cache_count(model) -> int:
+    """How many caches an mlx-lm model takes: ``len(model.make_cache())`` when it defines one
+    (some models share caches between layers), else one per layer."""
+    return len(model.make_cache()) if hasattr(model, "make_cache") else len(model.layers)

@@ -15,10 +15,10 @@ from mlx_lm.models import cache as mlx_cache
 from .cache import TurboQuantKVCache, TurboQuantRotatingKVCache
 from .codecs.base import Codec, check_int, from_config
 from .codecs.spec import CodecSpec, codec_pair
-from .memory import geometry_from_model
+from .memory import cache_count, geometry_from_model
 
 __all__ = ["make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prompt_cache", "model_geometry",
-           "check_layers", "content_digest",
+           "check_layers", "cache_count", "content_digest",
            "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "turboquant-prompt-cache"
@@ -45,9 +45,9 @@ def _tag(cache: list) -> list:
 
 
 def check_layers(cache: list, model) -> None:
-    """Raise unless ``cache`` has one entry per layer of ``model`` (mlx-lm zips layers and
+    """Raise unless ``cache`` has one entry per cache ``model`` takes (mlx-lm zips layers and
     caches, so a shorter list silently runs the model without its last layers)."""
-    n = len(model.layers)
+    n = cache_count(model)
     if len(cache) != n:
         raise ValueError(f"the prompt cache has {len(cache)} layers, the model has {n}")
 
@@ -148,6 +148,11 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
         if not rotating:
             new._update_sink(0, k, v)
         out.append(new)
+    rotating = sum(isinstance(c, TurboQuantRotatingKVCache) for c in out)
+    if rotating and (fp_window or sink_tokens):
+        warnings.warn(f"fp_window={fp_window} and sink_tokens={sink_tokens} apply to plain (global) "
+                      f"layers only; the {rotating} rotating (sliding-window) layers hold every token "
+                      "as codes", UserWarning, stacklevel=2)
     return _tag(out)
 
 
@@ -212,9 +217,11 @@ def load_prompt_cache(path, return_metadata: bool = False, model=None):
 
 
 def _check_model(path, cache, model) -> None:
-    n, kv, d = model_geometry(model)
-    if len(cache) != n:
-        raise ValueError(f"{path}: the cache has {len(cache)} layers, the model has {n}")
+    _, kv, d = model_geometry(model)
+    try:
+        check_layers(cache, model)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     for i, c in enumerate(cache):
         if isinstance(c, TurboQuantKVCache) and c.keys is not None:
             B, H = next(iter(c.keys.fields.values())).shape[:2]
@@ -250,8 +257,8 @@ def _load_turboquant_layout(path, arrays, meta):
     groups = [{g: {} for g in "kvr"} for _ in layers]
     for name, a in arrays.items():
         parts = name.split(".", 2)
-        if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) >= len(layers) or parts[1] not in "kvr" \
-                or len(parts[1]) != 1 or not parts[2]:
+        if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) >= len(layers) \
+                or parts[1] not in ("k", "v", "r") or not parts[2]:
             raise ValueError(f"{path}: orphan tensor {name!r} (expected 'LAYER.k|v|r.FIELD' with LAYER < {len(layers)})")
         groups[int(parts[0])][parts[1]][parts[2]] = a
     cache = []
@@ -326,8 +333,9 @@ def _check_indices(codec: Codec, fields: dict, group: str) -> None:
         return
     from .packing import unpack
     idx = unpack(fields["idx"], inner.index_bits, inner.dim // inner.k)
-    if idx.size and mx.max(idx).item() >= n:
-        raise ValueError(f"tensor {group}.idx names codeword {mx.max(idx).item()}, the codebook has {n}")
+    top = mx.max(idx).item() if idx.size else 0
+    if top >= n:
+        raise ValueError(f"tensor {group}.idx names codeword {top}, the codebook has {n}")
 
 
 def _build_layer(m, state) -> TurboQuantKVCache:

@@ -197,12 +197,19 @@ class Codec:
                                  f"the code's shape is {shape}: expected {shape} + (width,)")
         return code
 
-    def __reduce__(self):
-        """Pickle and copy through the configuration, which rebuilds the codec bit for bit."""
-        return from_config, (self.config(),)
+    def _registered(self) -> bool:
+        return CODECS.get(self.name) is type(self)
+
+    def __reduce_ex__(self, protocol):
+        """Pickle and copy through the configuration, which rebuilds the codec bit for bit
+        (a codec class not registered with ``register`` is copied the default way)."""
+        if self._registered():
+            return from_config, (self.config(),)
+        return super().__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo):
-        return from_config(self.config())
+        import copy
+        return from_config(self.config()) if self._registered() else copy.copy(self)
 
     def __eq__(self, other):
         return isinstance(other, Codec) and self.config() == other.config()

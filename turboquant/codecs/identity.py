@@ -45,8 +45,10 @@ class Identity(Codec):
 
     def _encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
-        x = check_input(x, self.dim)
-        if self.dtype == "float16" and mx.max(mx.abs(x)).item() > FP16_MAX:
+        x = check_input(x, self.dim, finite=self.dtype != "float16")
+        if self.dtype == "float16" and x.size and not mx.max(mx.abs(x)).item() <= FP16_MAX:
+            if not mx.all(mx.isfinite(x)).item():
+                raise ValueError("input contains NaN or Inf")
             raise ValueError(f"input exceeds float16's range (|x| <= {FP16_MAX}); use "
                              "Identity(dim, 'float32') or scale the input down")
         return Code({"x": x.astype(self._dtype)}, tuple(x.shape[:-1]), dtype, self.config())

@@ -131,8 +131,9 @@ class TurboQuantProd(Codec):
     def __init__(self, dim: int, bits: int, *, rotation: str = "hadamard", seed: int = 0):
         dim, bits, seed = check_int("dim", dim, 3), check_int("bits", bits, 1, 9), check_int("seed", seed, 0)
         self.dim, self.bits, self.seed = dim, bits, seed
-        self.rotation = Rotation(rotation, dim, seed)          # the TurboQuant_mse part's
         self.mse = TurboQuantMSE(dim, bits - 1, rotation=rotation, seed=seed) if bits > 1 else None
+        # the TurboQuant_mse part's rotation (built here only to check the kind when b = 1)
+        self.rotation = self.mse.rotation if self.mse else Rotation(rotation, dim, seed)
         self.qjl = QJL(dim, m=dim, seed=seed)
 
     @property

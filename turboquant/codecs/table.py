@@ -55,8 +55,9 @@ _accelerator = [None]
 def set_accelerator(acc) -> None:
     """Register the fused-kernel dispatcher (``turboquant.kernels`` does this on import).
 
-    ``acc`` offers ``encode(spec, x)`` → (idx, norm) or None, ``scores(spec, q_rot, idx)``
-    and ``values(spec, w, idx)`` → arrays or None (None: use the mx path)."""
+    ``acc`` offers ``encode(codec, x)`` → (idx, norm) or None, ``scores(codec, q_rot, idx)``
+    and ``values(codec, w, idx)`` → arrays or None (None: use the mx path); it asks the codec
+    for its ``kernel_spec`` only when a back-end is active."""
     _accelerator[0] = acc
 
 
@@ -85,10 +86,11 @@ class QueryTable:
         idx = code["idx"]                                              # (B, H, T, NB) uint8
         T = idx.shape[2]
         acc = accelerator()
-        fused = None if acc is None else acc.scores(c.kernel_spec(), q, idx)
+        fused = None if acc is None else acc.scores(c, q, idx)
         if fused is not None:
             return fused
-        if c.k == 1 and c.index_bits in (1, 2, 4, 8):
+        if c.k == 1 and c.index_bits in (1, 2, 4, 8) and (D * c.index_bits) % 8 == 0 \
+                and c.n_codewords == 1 << c.index_bits:
             table, P = c._byte_table(q)                                # (B, H, R·Tq, P, 256)
             pos = (idx.astype(mx.int32) + mx.arange(P, dtype=mx.int32) * 256).reshape(B, H, 1, T * P)
             looked = mx.take_along_axis(table.reshape(B, H, R * Tq, P * 256),
@@ -165,7 +167,7 @@ class RotatedTable(Codec):
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim, finite=False)
         acc = accelerator()
-        fused = None if acc is None else acc.encode(self.kernel_spec(), x)
+        fused = None if acc is None else acc.encode(self, x)
         if fused is not None:
             idx, norm = fused
             check_norms(norm)
@@ -197,7 +199,7 @@ class RotatedTable(Codec):
         """Σ_t w_t c[i_t] in the rotated frame: w (B, H_kv, R, Tq, T) float32 and a code of
         shape (B, H_kv, T) → (B, H_kv, R, Tq, D) float32 (apply Πᵀ once afterwards)."""
         acc = accelerator()
-        fused = None if acc is None else acc.values(self.kernel_spec(), w, code["idx"])
+        fused = None if acc is None else acc.values(self, w, code["idx"])
         if fused is not None:
             return fused
         return w @ self.decode_rotated(code)[:, :, None]

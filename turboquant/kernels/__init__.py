@@ -272,23 +272,26 @@ class _Dispatch:
     """What the rotated-table codecs call (``codecs.table.set_accelerator``): the active
     back-end's kernels when one is active and the launch fits, else None (the mx path)."""
 
-    def encode(self, spec: KernelSpec, x: mx.array):
+    def encode(self, codec, x: mx.array):
         backend = active()
-        if backend is None or x.size == 0 or not encode_fits(spec, x.size // x.shape[-1]):
+        if backend is None or x.size == 0:
+            return None
+        spec = codec.kernel_spec()
+        if not encode_fits(spec, x.size // x.shape[-1]):
             return None
         return encode(backend, spec, x)
 
-    def scores(self, spec: KernelSpec, q_rot: mx.array, idx: mx.array):
+    def scores(self, codec, q_rot: mx.array, idx: mx.array):
         B, Hk, R, Tq, _ = q_rot.shape
         backend = active()
-        if backend is None or not fits(spec, B * Hk * R * Tq, B * Hk, idx.shape[2]):
+        if backend is None or not fits(spec := codec.kernel_spec(), B * Hk * R * Tq, B * Hk, idx.shape[2]):
             return None
         return unit_scores(backend, spec, q_rot, idx)
 
-    def values(self, spec: KernelSpec, w: mx.array, idx: mx.array):
+    def values(self, codec, w: mx.array, idx: mx.array):
         B, Hk, R, Tq, T = w.shape
         backend = active()
-        if backend is None or not fits(spec, B * Hk * R * Tq, B * Hk, T):
+        if backend is None or not fits(spec := codec.kernel_spec(), B * Hk * R * Tq, B * Hk, T):
             return None
         return rotated_values(backend, spec, w, idx)
 
