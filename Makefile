@@ -9,7 +9,7 @@ NOTEBOOKS := $(sort $(wildcard book/*.ipynb))
 export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 
-.PHONY: all book test test-unit test-notebooks test-book model clean distclean
+.PHONY: all book test test-unit test-notebooks test-book model lab clean distclean
 
 all: test
 
@@ -53,6 +53,11 @@ test-notebooks: model
 
 test-book: $(STAMP)
 	$(BIN)/jupyter-book build --all -W -n --keep-going .
+
+# The chapters in JupyterLab, to run them and move the widgets (--allow-root: CI-like
+# machines run as root; it changes nothing elsewhere).
+lab: model
+	$(BIN)/jupyter lab --allow-root book/
 
 clean:
 	rm -rf _build .pytest_cache
