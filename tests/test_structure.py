@@ -107,3 +107,34 @@ def test_no_test_or_chapter_uses_a_private_name_of_the_package():
 def test_the_private_name_finder_finds_them():
     assert private_uses("from turboquant.attention import _repeat_kv\nc._fetch(1)\nx.__class__") == \
         ["import _repeat_kv", "._fetch"]
+
+
+def test_importing_and_plotting_change_no_global_state():
+    """Importing turboquant touches nothing but the documented BLAS preload: no environment
+    variables, no matplotlib settings, no reseeded random state; making a figure leaves
+    rcParams as they were, and building a tiny model does not reseed mlx's generator."""
+    import subprocess
+    import sys
+    code = """
+import os, json
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+env, rc = dict(os.environ), {k: repr(v) for k, v in plt.rcParams.items()}
+import turboquant
+from turboquant.viz import plot_codebook
+from turboquant.models import tiny_model
+import mlx.core as mx
+plot_codebook(16, 2)
+# a reseeding builder would leave the same global state whatever the user had seeded
+mx.random.seed(7); tiny_model("llama", seed=0); b = mx.random.normal((3,)).tolist()
+mx.random.seed(8); tiny_model("llama", seed=0); c = mx.random.normal((3,)).tolist()
+print(json.dumps({"env": sorted(set(os.environ.items()) ^ set(env.items())),
+                  "rc": sorted(k for k, v in plt.rcParams.items() if repr(v) != rc[k]),
+                  "reseeded": b == c}))
+"""
+    import json
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"env": [], "rc": [], "reseeded": False}, got

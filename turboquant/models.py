@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 
 import mlx.core as mx
+
+from .checks import check_int
 
 __all__ = ["tiny_model", "ByteTokenizer", "run_in_chunks", "DEFAULT_MODEL", "default_gguf",
            "default_model_dir", "load_default"]
@@ -30,7 +33,10 @@ def tiny_model(kind: str = "llama", seed: int = 0, num_layers: int = 4, hidden_s
     """A random mlx-lm model: ``kind`` is "llama" (global attention) or "gemma3"
     (gemma3_text: sliding-window layers with one global layer every sixth).
 
-    Weights are float32 and drawn from ``mx.random`` with ``seed``.
+    Weights are float32 and a function of ``seed`` alone: every matrix is redrawn from
+    ``mx.random.key(seed)`` after construction (uniform ±1/√fan_in, the embedding
+    N(0, 1/hidden)); norms keep their initial values. The global random state is not
+    reseeded (building the modules still draws from it, as any mlx.nn module does).
     """
     if kind == "llama":
         from mlx_lm.models import llama as arch
@@ -48,9 +54,22 @@ def tiny_model(kind: str = "llama", seed: int = 0, num_layers: int = 4, hidden_s
             vocab_size=vocab_size, sliding_window=sliding_window, sliding_window_pattern=6)
     else:
         raise ValueError(f"kind must be 'llama' or 'gemma3', got {kind!r}")
-    mx.random.seed(seed)
+    from mlx.utils import tree_flatten
     model = arch.Model(args)
     model.set_dtype(mx.float32)
+    weights = []
+    key = mx.random.key(check_int("seed", seed, 0))
+    for name, w in tree_flatten(model.parameters()):
+        if w.ndim < 2:
+            continue                                    # norms: their own initial values
+        key, sub = mx.random.split(key)
+        if name.endswith("embed_tokens.weight"):
+            w = mx.random.normal(w.shape, key=sub) * (1 / math.sqrt(w.shape[-1]))
+        else:
+            bound = 1 / math.sqrt(w.shape[-1])
+            w = mx.random.uniform(-bound, bound, w.shape, key=sub)
+        weights.append((name, w))
+    model.load_weights(weights, strict=False)
     mx.eval(model.parameters())
     return model
 

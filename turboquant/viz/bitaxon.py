@@ -15,6 +15,6 @@ def plot_swa_budget(rows):
         ax.text(i, v + 5, f"{v:.1f}", ha="center", fontsize=8)
     ax.axhline(83.9, c="k", ls="--", lw=1, label="plan: 83.9 MB at 4 bits")
     ax.set_ylabel("KV cache, 8 SWA layers (MB)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return fig

@@ -22,7 +22,7 @@ def plot_radius_law(dim: int = 64, k: int = 2, n: int = 40000, seed: int = 0):
     ax.plot(t, stats.beta(k / 2, beta).pdf(t), c="k", ls="--", label=f"companded Beta({k}/2, {beta:.2f})")
     ax.set_xlabel(r"$\|u\|^2$ of a block")
     ax.set_title(f"radius law, D = {dim}, k = {k}", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
 
@@ -61,6 +61,6 @@ def plot_frontier(curves: dict, max_rate: float = 4.5):
     ax.axhline(1.0, c="0.6", lw=0.8)
     ax.set_xlabel("rate b = log2(N)/k bits per coordinate (norm not included)")
     ax.set_ylabel(r"$E\|u-\hat u\|^2$")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return fig

@@ -39,6 +39,6 @@ def plot_qjl_estimates(m: int = 128, dim: int = 128, inner: float = 0.5, n_draws
             label=f"theory (Gaussian S): var·m = {sd * sd * m:.2f}")
     ax.axvline(inner, c="k", ls=":", lw=1)
     ax.set_title(f"QJL estimates of <q,k> = {inner}, D = {dim}, m = {m}, {n_draws} sketches", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, frameon=False)
     fig.tight_layout()
     return fig

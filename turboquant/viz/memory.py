@@ -36,7 +36,7 @@ def plot_kv_memory(presets=None, bit_widths=(16, 8, 4, 3, 2), max_context: int =
     handles, labels = axes.flat[0].get_legend_handles_labels()
     handles.append(matplotlib.lines.Line2D([], [], ls="--", c="k", lw=1))
     labels.append("16 GiB MacBook Air")
-    (axes.flat[-1] if len(names) % ncols else fig).legend(handles, labels, loc="center")
+    (axes.flat[-1] if len(names) % ncols else fig).legend(handles, labels, loc="center", frameon=False)
     fig.tight_layout()
     return fig
 
@@ -60,7 +60,7 @@ def plot_kv_calculator(preset: str = "llama-3.1-8b", context: int = 32768, bits:
                  f"({at16 / atq:.2f}x)", fontsize=10)
     ax.set_xlabel("context T (tokens)")
     ax.set_ylabel("KV cache (GB)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
 

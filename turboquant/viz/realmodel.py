@@ -25,7 +25,7 @@ def plot_ppl_frontier(rows, title: str = ""):
     ax.set_ylabel("perplexity increase over fp32 (%)")
     if title:
         ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    ax.legend(fontsize=7, loc="upper right", ncol=2, frameon=False)
     fig.tight_layout()
     return fig
 
@@ -55,6 +55,6 @@ def plot_sink_mass(mass, energy):
     ax.plot(layers, energy, "s-", ms=3, label="key energy left after centering")
     ax.set_xlabel("layer")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return fig

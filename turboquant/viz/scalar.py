@@ -40,6 +40,6 @@ def plot_rate_distortion(curves: dict, bits=np.arange(1, 9)):
         ax.semilogy(x, y, marker=marker, label=label, ms=4)
     ax.set_xlabel("bits per coordinate (side information included)")
     ax.set_ylabel(r"$E\|u-\hat u\|^2$")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return fig

@@ -64,7 +64,7 @@ def plot_coordinate_law(dim: int = 32, n_rotations: int = 1500, n_tokens: int = 
     axes[1].set_title("one Haar rotation, many keys", fontsize=10)
     for ax in axes:
         ax.set_xlabel(r"$y_1$")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, frameon=False)
     fig.tight_layout()
     return fig
 
