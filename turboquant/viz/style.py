@@ -6,32 +6,24 @@ run there).
 """
 from __future__ import annotations
 
-import matplotlib
-
 import matplotlib.pyplot as plt
 
-__all__ = ["COLORS", "STYLE", "figure", "interact", "table", "GB", "MB"]
+__all__ = ["COLORS", "figure", "interact", "table", "GB", "MB"]
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f"]
 MB = 1e6
 GB = 1e9
 
 
-STYLE = {"figure.dpi": 100, "savefig.dpi": 100, "axes.grid": True, "axes.spines.top": False,
-         "axes.spines.right": False, "font.size": 10, "axes.prop_cycle": matplotlib.cycler(color=COLORS)}
-
-
 def figure(ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 3.6, **kw):
-    """A figure in the book's style: fixed size and dpi, light grid, no top/right spines.
-
-    The style applies inside ``plt.rc_context`` while the figure and its axes are made, so
-    the user's matplotlib settings are left as they were; what is read later, when the
-    axes draw (the grid's alpha), is set on the axes themselves; legends are drawn with
-    ``frameon=False`` by the plotting functions."""
-    with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), **kw)
+    """A figure in the book's style: fixed size and dpi, light grid, no top/right spines,
+    the book's colours. The style is set on the figure and its axes, never in matplotlib's
+    global rcParams (a user's settings stay as they were)."""
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), dpi=100, **kw)
     for ax in (axes.flat if hasattr(axes, "flat") else [axes]):
         ax.grid(True, alpha=0.3)
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.set_prop_cycle(color=COLORS)
     return fig, axes
 
 
