@@ -52,6 +52,25 @@ def check_layers(cache: list, model) -> None:
         raise ValueError(f"the prompt cache has {len(cache)} layers, the model has {n}")
 
 
+def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int):
+    """(key codec spec, value codec spec, sink tokens) of the best measured configuration
+    within ``bits`` (``turboquant.budget``); ``bits`` excludes explicit codecs and sinks."""
+    from .budget import codecs_for, pick
+    if key_codec is not None or value_codec is not None or sink_tokens:
+        raise ValueError("give either bits= or key_codec/value_codec/sink_tokens, not both")
+    choice = pick(bits, dim)
+    return (*codecs_for(choice), choice.sink_tokens)
+
+
+def _warn_rotating(cache: list, fp_window: int, sink_tokens: int) -> None:
+    """fp_window and sink_tokens apply to plain layers only: say so when rotating ones exist."""
+    rotating = sum(isinstance(c, TurboQuantRotatingKVCache) for c in cache)
+    if rotating and (fp_window or sink_tokens):
+        warnings.warn(f"fp_window={fp_window} and sink_tokens={sink_tokens} apply to plain (global) "
+                      f"layers only; the {rotating} rotating (sliding-window) layers of this cache hold "
+                      "every token as codes", UserWarning, stacklevel=3)
+
+
 def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec = None,
                       fp_window: int = 0, max_kv_size: Optional[int] = None, sink_tokens: int = 0,
                       bits: Optional[float] = None) -> list:
@@ -77,33 +96,23 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     if max_kv_size is not None:
         max_kv_size = check_int("max_kv_size", max_kv_size, 1)
     fp_window, sink_tokens = check_int("fp_window", fp_window, 0), check_int("sink_tokens", sink_tokens, 0)
-    if bits is not None:
-        from .budget import codecs_for, pick
-        if key_codec is not None or value_codec is not None or sink_tokens:
-            raise ValueError("give either bits= or key_codec/value_codec/sink_tokens, not both")
-        choice = pick(bits, _head_dim(model))
-        key_codec, value_codec = codecs_for(choice)
-        sink_tokens = choice.sink_tokens
     dim = _head_dim(model)
+    if bits is not None:
+        key_codec, value_codec, sink_tokens = _budget(bits, dim, key_codec, value_codec, sink_tokens)
     reference = mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
-    out, rotating = [], 0
+    out = []
     for c in reference:
         kc, vc = codec_pair(key_codec, value_codec, dim)
         if isinstance(c, mlx_cache.RotatingKVCache):
             size = c.max_size if max_kv_size is None else min(c.max_size, max_kv_size)
             out.append(TurboQuantRotatingKVCache(size, kc, vc, keep=min(c.keep, size - 1)))
-            rotating += 1
         elif isinstance(c, mlx_cache.KVCache) and max_kv_size is not None:
             out.append(TurboQuantRotatingKVCache(max_kv_size, kc, vc, keep=min(4, max_kv_size - 1)))
-            rotating += 1
         elif isinstance(c, mlx_cache.KVCache):
             out.append(TurboQuantKVCache(kc, vc, fp_window=fp_window, sink_tokens=sink_tokens))
         else:
             out.append(c)
-    if rotating and (fp_window or sink_tokens):
-        warnings.warn(f"fp_window={fp_window} and sink_tokens={sink_tokens} apply to plain "
-                      f"(global) layers only; the {rotating} rotating (sliding-window) layers of "
-                      "this cache hold every token as codes", UserWarning, stacklevel=2)
+    _warn_rotating(out, fp_window, sink_tokens)
     return _tag(out)
 
 
@@ -118,14 +127,10 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
         check_layers(cache, model)
     fp_window, sink_tokens = check_int("fp_window", fp_window, 0), check_int("sink_tokens", sink_tokens, 0)
     if bits is not None:
-        from .budget import codecs_for, pick
-        if key_codec is not None or value_codec is not None or sink_tokens:
-            raise ValueError("give either bits= or key_codec/value_codec/sink_tokens, not both")
         filled = [c for c in cache if isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)) and not c.empty()]
         if filled:
-            choice = pick(bits, filled[0].state[0].shape[-1])
-            key_codec, value_codec = codecs_for(choice)
-            sink_tokens = choice.sink_tokens
+            key_codec, value_codec, sink_tokens = _budget(bits, filled[0].state[0].shape[-1], key_codec,
+                                                          value_codec, sink_tokens)
     out = []
     for c in cache:
         if not isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)) or c.empty():
@@ -148,11 +153,7 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
         if not rotating:
             new._update_sink(0, k, v)
         out.append(new)
-    rotating = sum(isinstance(c, TurboQuantRotatingKVCache) for c in out)
-    if rotating and (fp_window or sink_tokens):
-        warnings.warn(f"fp_window={fp_window} and sink_tokens={sink_tokens} apply to plain (global) "
-                      f"layers only; the {rotating} rotating (sliding-window) layers hold every token "
-                      "as codes", UserWarning, stacklevel=2)
+    _warn_rotating(out, fp_window, sink_tokens)
     return _tag(out)
 
 
