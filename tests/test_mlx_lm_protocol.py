@@ -157,3 +157,43 @@ def test_plain_masks_equal_mlx_lm():
     for n, w in ((1, None), (4, None), (4, 3)):
         a, b = ours.make_mask(n, window_size=w, return_array=False), ref.make_mask(n, window_size=w, return_array=False)
         assert (a is None and b is None) or (isinstance(a, str) and a == b) or mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+@pytest.mark.parametrize("steps", [[20, 1, 1, 5, 1, 1, 9, 1], [3, 1, 1, 1, 1, 1, 1, 1, 4, 1], [1] * 12 + [7, 7]])
+def test_compacting_the_ring_changes_no_later_output(steps, keep):
+    # compact() after every update (what Bit-Axon's face does) against mlx-lm's own ring
+    ours, ref = tq.TurboQuantRotatingKVCache(8, exact(), keep=keep), RotatingKVCache(max_size=8, keep=keep)
+    seen = []
+    for i, s in enumerate(steps):
+        x = mx.random.uniform(shape=(1, 2, s, 4), key=mx.random.key(i))
+        seen.append(x)
+        k, _ = ours.update_and_fetch(x, x)
+        rk, _ = ref.update_and_fetch(x, x)
+        assert mx.array_equal(k, rk).item() and ours.offset == ref.offset
+        for n in (1, 3):
+            a, b = ours.make_mask(n, window_size=5), ref.make_mask(n, window_size=5)
+            assert (a is None and b is None) or (isinstance(a, str) and a == b) or mx.array_equal(a, b).item()
+        ordered = ours.ordered_codes()[0].dequantize()           # oldest first: the true history
+        ours.compact()
+        held = ours.ordered_codes()[0].dequantize()
+        history = mx.concatenate(seen, axis=2)
+        T = history.shape[2]
+        assert held.shape[2] == min(T, 8) and ours.nbytes <= mx.zeros((1, 2, 8, 4)).nbytes * 2
+        expect = history if T <= 8 else mx.concatenate([history[..., :keep, :], history[..., T - 8 + keep:, :]], axis=2)
+        assert mx.array_equal(held, expect).item()
+        n = held.shape[2] - keep if T > keep else 0                # the recent part agrees too
+        assert mx.array_equal(ordered[..., ordered.shape[2] - n:, :], held[..., held.shape[2] - n:, :]).item()
+
+
+def test_a_ring_from_tokens_continues_like_one_that_saw_them():
+    x = mx.random.uniform(shape=(1, 2, 30, 4), key=mx.random.key(0))
+    built = tq.TurboQuantRotatingKVCache.from_tokens(8, x[..., 22:, :], x[..., 22:, :], exact(), offset=30)
+    ref = RotatingKVCache(max_size=8)
+    ref.update_and_fetch(x, x)
+    assert built.offset == 30 and built.size() == 8
+    for i in range(3):
+        y = mx.random.uniform(shape=(1, 2, 1 + 2 * i, 4), key=mx.random.key(i + 1))
+        assert mx.array_equal(built.update_and_fetch(y, y)[0], ref.update_and_fetch(y, y)[0]).item()
+    with pytest.raises(ValueError, match="offset"):
+        tq.TurboQuantRotatingKVCache.from_tokens(8, x, x, exact(), offset=3)

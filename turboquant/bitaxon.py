@@ -13,8 +13,9 @@ returns the previous window *and* the new keys, the layer masks by absolute posi
 only then is the cache trimmed: any split of a sequence into prefill, chunks and single
 steps gives full-sequence masked attention.
 
-``QuantizedSWACache`` holds the window as codes in a ring of W slots (memory constant in
-context length) and the layer attends from codes (``attention_from_codes``).
+``QuantizedSWACache`` holds the window as codes in the package's one ring
+(``TurboQuantRotatingKVCache``, compacted to W slots after every update: memory constant
+in context length) and the layer attends from codes (``attention_from_codes``).
 ``TurboQuant(bits=…)`` is the plan's API: ``compress(kv_cache)`` / ``decompress(...)``.
 """
 from __future__ import annotations
@@ -28,7 +29,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .attention import attention_from_codes, reference_attention
-from .codes import CodeBuffer, CodesView
+from .cache import TurboQuantRotatingKVCache
+from .codes import CodesView
 from .checks import check_int
 from .codecs.base import Codec
 from .codecs.fibquant import FibQuant
@@ -84,83 +86,66 @@ class KVCache:
 
 
 class QuantizedSWACache:
-    """The window as codes in a ring of W slots: ``QuantizedSWACache(window_size, codec)``
-    (one codec for K and V, or ``value_codec``). Token at absolute position p lives in slot
-    p mod W; memory is W slots of codes whatever the context."""
+    """Bit-Axon's cache face over the package's one ring of codes,
+    ``TurboQuantRotatingKVCache`` (mlx-lm's ``RotatingKVCache`` semantics):
+    ``QuantizedSWACache(window_size, codec, value_codec=None)`` (one codec for K and V, or
+    ``value_codec``). A window of W needs the last W − 1 tokens plus the new ones:
+    ``update_and_fetch`` hands attention exactly those as codes in temporal order, then
+    compacts the ring to W slots, so memory is W slots of codes whatever the context."""
 
     def __init__(self, window_size: int, codec: Codec, value_codec: Optional[Codec] = None):
-        if not isinstance(window_size, int) or window_size < 1:
+        if not isinstance(window_size, int) or isinstance(window_size, bool) or window_size < 1:
             raise ValueError(f"window_size must be a positive int, got {window_size!r}")
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a turboquant codec, got {type(codec).__name__}")
         if value_codec is None:                      # a learning codec is never shared by K and V
             value_codec = copy.deepcopy(codec) if hasattr(codec, "fit") else codec
-        self.window_size, self.key_codec, self.value_codec = window_size, codec, value_codec
-        self.keys: Optional[CodeBuffer] = None
-        self.values: Optional[CodeBuffer] = None
-        self.offset = 0
-        self.dtype = mx.float32
+        self.ring = TurboQuantRotatingKVCache(window_size, codec, value_codec)
+
+    @classmethod
+    def from_tokens(cls, window_size: int, k: mx.array, v: mx.array, offset: int, codec: Codec,
+                    value_codec: Optional[Codec] = None) -> "QuantizedSWACache":
+        """The ring after ``offset`` tokens whose last ones are ``k``, ``v`` (B, H, T, D)."""
+        face = cls(window_size, codec, value_codec)
+        face.ring = TurboQuantRotatingKVCache.from_tokens(window_size, k, v, face.key_codec, face.value_codec,
+                                                          offset=offset)
+        return face
+
+    window_size = property(lambda self: self.ring.max_size)
+    key_codec = property(lambda self: self.ring.key_codec)
+    value_codec = property(lambda self: self.ring.value_codec)
+    offset = property(lambda self: self.ring.offset)
+    dtype = property(lambda self: self.ring.dtype)
 
     @property
-    def k(self):  # Bit-Axon's layer reads cache.k.shape[2]: the number of held tokens
-        return None if self.keys is None else _Shape((*self._bh(), self.held, self.key_codec.dim))
-
-    def _bh(self):
-        return next(iter(self.keys.fields.values())).shape[:2]
-
-    @property
-    def held(self) -> int:
-        return min(self.offset, self.window_size)
-
-    def _ordered(self, buf: CodeBuffer) -> CodeBuffer:
-        """The held tokens in temporal order (oldest first)."""
-        if self.offset <= self.window_size:
-            return buf.slice(0, self.offset)
-        s = self.offset % self.window_size
-        return CodeBuffer.concat([buf.slice(s), buf.slice(0, s)])
+    def k(self):
+        """Bit-Axon's layer reads ``cache.k.shape[2]`` before an update: the number of old
+        tokens the update will hand back (at most W − 1)."""
+        if self.ring.empty():
+            return None
+        B, H = self.ring.codes()[0].shape[:2]
+        return _Shape((B, H, min(self.offset, self.window_size - 1), self.key_codec.dim))
 
     def update_and_fetch(self, xk: mx.array, xv: mx.array):
-        """Encode the new tokens; return ``CodesView``s of held + new tokens (temporal order),
-        then write the new tokens into the ring."""
-        for name, a, c in (("xk", xk, self.key_codec), ("xv", xv, self.value_codec)):
-            if not isinstance(a, mx.array) or a.ndim != 4 or a.shape[-1] != c.dim:
-                raise ValueError(f"{name} must have shape (B, H, T, {c.dim}), got {getattr(a, 'shape', None)}")
-        self.dtype = xk.dtype
-        kc = CodeBuffer(self.key_codec.fit_once(xk).encode(xk).arrays)
-        vc = CodeBuffer(self.value_codec.fit_once(xv).encode(xv).arrays)
-        T = xk.shape[2]
-        prev_k = self._ordered(self.keys) if self.keys is not None and self.offset else None
-        prev_v = self._ordered(self.values) if self.values is not None and self.offset else None
-        all_k = kc if prev_k is None else CodeBuffer.concat([prev_k, kc])
-        all_v = vc if prev_v is None else CodeBuffer.concat([prev_v, vc])
-        if self.keys is None:
-            self.keys, self.values = kc.zeros(self.window_size), vc.zeros(self.window_size)
-        self._write(kc, vc, T)
-        self.offset += T
-        return (CodesView(self.key_codec, all_k, self.dtype), CodesView(self.value_codec, all_v, self.dtype))
+        """Encode the new tokens; return ``CodesView``s of the last W − 1 held tokens plus
+        the new ones (temporal order); then compact the ring to W slots."""
+        self.ring.update_and_fetch(xk, xv)       # lazy: the dequantized return is never computed
+        views = self.ring.ordered_codes()
+        self.ring.compact()
+        return views
 
-    def _write(self, kc: CodeBuffer, vc: CodeBuffer, T: int) -> None:
-        """Write new tokens at slots (offset + j) mod W; only the last W of them survive."""
-        W = self.window_size
-        start = max(0, T - W)
-        j = start
-        while j < T:
-            pos = (self.offset + j) % W
-            n = min(T - j, W - pos)
-            self.keys.assign(pos, kc.slice(j, j + n))
-            self.values.assign(pos, vc.slice(j, j + n))
-            j += n
+    def codes(self):
+        """The held tokens (at most W) as (keys, values) ``CodesView``s, oldest first."""
+        return self.ring.ordered_codes()
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return self.ring.nbytes
 
     def __deepcopy__(self, memo):
-        """An independent copy (mx arrays copied; codecs rebuilt from their configurations)."""
-        new = QuantizedSWACache(self.window_size, copy.deepcopy(self.key_codec), copy.deepcopy(self.value_codec))
-        if self.keys is not None:
-            new.keys, new.values = self.keys.copy(), self.values.copy()
-        new.offset, new.dtype = self.offset, self.dtype
+        """An independent copy (arrays copied; codecs rebuilt from their configurations)."""
+        new = QuantizedSWACache.__new__(QuantizedSWACache)
+        new.ring = copy.deepcopy(self.ring, memo)
         memo[id(self)] = new
         return new
 
@@ -279,19 +264,15 @@ class TurboQuant:
             raise TypeError(f"compress takes a bitaxon.KVCache, got {type(kv_cache).__name__}")
         if kv_cache.k is None:
             raise ValueError("cannot compress an empty cache")
-        q = QuantizedSWACache(kv_cache.window_size, self.codec(kv_cache.k.shape[-1]))
-        held = kv_cache.k.shape[2]
-        q.offset = kv_cache.offset - held                   # re-insert at their absolute positions
-        q.update_and_fetch(kv_cache.k, kv_cache.v)
-        return q
+        return QuantizedSWACache.from_tokens(kv_cache.window_size, kv_cache.k, kv_cache.v, kv_cache.offset,
+                                             self.codec(kv_cache.k.shape[-1]))
 
     def decompress(self, qcache: QuantizedSWACache) -> KVCache:
         if not isinstance(qcache, QuantizedSWACache):
             raise TypeError(f"decompress takes a QuantizedSWACache, got {type(qcache).__name__}")
         out = KVCache(qcache.window_size)
         out.offset = qcache.offset
-        if qcache.keys is not None and qcache.offset:
-            kv = CodesView(qcache.key_codec, qcache._ordered(qcache.keys), qcache.dtype)
-            vv = CodesView(qcache.value_codec, qcache._ordered(qcache.values), qcache.dtype)
+        if not qcache.ring.empty() and qcache.offset:
+            kv, vv = qcache.codes()
             out.k, out.v = kv.dequantize(), vv.dequantize()
         return out

@@ -310,6 +310,46 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
             self._update_concat(kc, vc, S)
         return self._fetch(*self._held())
 
+    @classmethod
+    def from_tokens(cls, max_size: int, keys: mx.array, values: mx.array, key_codec: Codec,
+                    value_codec: Optional[Codec] = None, *, offset: Optional[int] = None,
+                    keep: int = 0) -> "TurboQuantRotatingKVCache":
+        """A ring holding the last of ``keys``/``values`` (B, H, T, D), in temporal order, as
+        if it had seen ``offset`` tokens (default T) of which these are the last T."""
+        T = keys.shape[2] if isinstance(keys, mx.array) and keys.ndim == 4 else None
+        if T is None or T < 1:
+            raise ValueError(f"keys must be a non-empty (B, H, T, D) mx.array, got {getattr(keys, 'shape', keys)!r}")
+        offset = T if offset is None else check_int("offset", offset, T)
+        cache = cls(max_size, key_codec, value_codec, keep=keep)
+        cache.offset = offset - T
+        cache.update_and_fetch(keys, values)
+        cache.compact()
+        return cache
+
+    def ordered_codes(self):
+        """The held tokens as (keys, values) ``CodesView``s in temporal order, oldest first
+        (``codes()`` gives them in the order attention reads them, which after single-token
+        steps is ring order)."""
+        if self.keys is None:
+            raise ValueError("the cache is empty: no codes yet")
+        k, v = self._held()
+        return self._fetch_views(self._temporal_order(k), self._temporal_order(v))
+
+    def compact(self) -> None:
+        """Drop what no later step can see: keep at most ``max_size`` tokens (the ``keep``
+        first ones and the most recent). After a prefill of S tokens the
+        ring holds up to max_size + S − 1; compacting brings memory back to the window
+        without changing any later output, mask or state the protocol exposes."""
+        if self.keys is None or self.offset == 0:
+            return
+        cut = self.keys.length - self.max_size
+        if cut <= 0:                   # within the window: the ring order is part of the state
+            return
+        # more than max_size held happens only right after a multi-token update, in temporal
+        # order: drop what the next update would drop anyway
+        self.keys, self.values = self._trim(cut, self.keys), self._trim(cut, self.values)
+        self._idx = self.max_size
+
     def _held(self) -> tuple[CodeBuffer, CodeBuffer]:
         if self.offset < self.keys.length:
             return self.keys.slice(0, self.offset), self.values.slice(0, self.offset)
