@@ -5,7 +5,8 @@ Import turboquant before any test module imports mlx, so the fast BLAS is in pla
 
 ``CODEC_EXAMPLES`` holds one example per registered codec (a factory head_dim → codec);
 ``any_codec`` runs a test over all of them — the codec contract of
-``tests/test_codec_contract.py``. A new codec registered without an example fails
+``tests/test_codec_contract.py``. A codec file may instead carry its own ``example(dim)``
+classmethod; a new codec registered with neither fails
 ``test_every_registered_codec_has_an_example``.
 """
 import pytest
@@ -25,6 +26,9 @@ CODEC_EXAMPLES = {
     "outlier_split": lambda d: OutlierSplit(d, n_outliers=4, outlier_bits=4, bits=2, rotation="haar"),
     "centered": lambda d: Centered(TurboQuantMSE(d, 4)),
 }
+# a codec file may carry its own example (``example(dim)`` classmethod): one file, nothing else
+CODEC_EXAMPLES.update({name: cls.example for name, cls in CODECS.items()
+                       if name not in CODEC_EXAMPLES and hasattr(cls, "example")})
 
 
 @pytest.fixture(params=sorted(CODEC_EXAMPLES))
