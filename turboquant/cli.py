@@ -2,7 +2,9 @@
 
 commands:
   turboquant memory    KV-cache bytes for a model preset (Chapter 1's formula)
-  turboquant model     convert (once) and check the default real model, offline
+  turboquant model     convert (once) and check the installed real models, offline
+  turboquant generate  text from a model through a compressed cache (attention from codes)
+  turboquant chat      a conversation through one compressed cache
   turboquant eval      compare cache configurations on the default model (Chapter 9)
   turboquant kernels   which fused-kernel back-end is used, its self-check, a decode benchmark
 
@@ -56,18 +58,76 @@ def _memory(args) -> int:
 
 
 def _model(args) -> int:
+    import mlx.core as mx
     from mlx_lm import generate
     from . import blas
-    from .models import default_model_dir, load_default
-    model, tok = load_default(args.folder)
-    print(f"model: {args.folder or default_model_dir()}")
+    from .models import MODELS, load, model_dir
+    names = sorted(MODELS) if args.model == "all" else [args.model]
+    if args.folder is not None and len(names) > 1:
+        args.parser.error("--folder needs one --model")
     print(f"fast BLAS: {blas.status()}")
-    text = generate(model, tok, args.prompt, max_tokens=args.max_tokens)
-    print(f"{args.prompt!r} → {text!r}")
-    if args.expect and args.expect not in text:
-        print(f"error: expected {args.expect!r} in the continuation", file=sys.stderr)
-        return 1
+    failed = False
+    for name in names:
+        model, tok = load(name, args.folder)
+        print(f"{name}: {args.folder or model_dir(name)} (licence: {MODELS[name]['license']})")
+        text = generate(model, tok, args.prompt, max_tokens=args.max_tokens)
+        print(f"  greedy: {args.prompt!r} → {text!r}")
+        if args.expect:
+            logits = model(mx.array(tok.encode(args.prompt))[None])[0, -1].astype(mx.float32)
+            want = tok.encode(" " + args.expect.strip(), add_special_tokens=False)[0]
+            rank = int(mx.sum(logits > logits[want]).item()) + 1
+            p = mx.softmax(logits)[want].item()
+            print(f"  next token {tok.decode([want])!r}: rank {rank}, probability {p:.3f}")
+            if rank > args.top:
+                print(f"error: {name}: {args.expect!r} is not among the {args.top} most likely next tokens",
+                      file=sys.stderr)
+                failed = True
+    return 1 if failed else 0
+
+
+def _load_for_generation(args):
+    from .generate import cache_options, new_cache
+    from .models import load
+    try:
+        options = cache_options(args.bits, args.key_bits, args.value_bits, args.codec, args.max_kv_size)
+    except ValueError as e:
+        args.parser.error(str(e))
+    model, tok = load(args.model)
+    return model, tok, new_cache(model, options, getattr(args, "load_cache", None))
+
+
+def _generate(args) -> int:
+    from .generate import generate_text, report
+    from .prompt_cache import save_prompt_cache
+    if args.save_cache and Path(args.save_cache).exists() and not args.overwrite:
+        args.parser.error(f"{args.save_cache} exists: pass --overwrite to replace it")
+    model, tok, cache = _load_for_generation(args)
+    ids = tok.encode(args.prompt, add_special_tokens=args.load_cache is None)
+    print(args.prompt, end="", flush=True)
+    r = generate_text(model, tok, ids, cache, args.max_tokens)
+    print("\n" + report(model, cache, r["prefill"], r["decode"]))
+    if args.save_cache:
+        save_prompt_cache(args.save_cache, cache, {"model": str(args.model)})
+        print(f"cache saved to {args.save_cache}")
     return 0
+
+
+def _chat(args) -> int:
+    from .generate import chat
+    model, tok, cache = _load_for_generation(args)
+    print(f"chatting with {args.model} through a compressed cache; an empty line or /exit ends", flush=True)
+    chat(model, tok, cache, args.max_tokens, system=args.system)
+    return 0
+
+
+def _cache_arguments(p) -> None:
+    g = p.add_argument_group("cache (choose one; default --key-bits 4 --value-bits 4)")
+    g.add_argument("--bits", type=_bits, default=None, help="a budget in bits per coordinate, side information "
+                   "included: the best measured configuration within it (Chapter 9)")
+    g.add_argument("--key-bits", type=_int_at_least(1), default=None, help="TurboQuant_mse bits for keys")
+    g.add_argument("--value-bits", type=_int_at_least(1), default=None, help="TurboQuant_mse bits for values")
+    g.add_argument("--codec", default=None, help="a codec config as JSON, or a JSON file (keys and values)")
+    g.add_argument("--max-kv-size", type=_int_at_least(1), default=None, help="keep at most this many tokens per layer")
 
 
 def _eval(args) -> int:
@@ -147,13 +207,35 @@ def main(argv=None) -> int:
     m.add_argument("--batch", type=_int_at_least(1), default=1)
     m.set_defaults(run=_memory)
 
-    d = sub.add_parser("model", help="convert (once) and check the default model offline")
+    from .models import MODELS
+    d = sub.add_parser("model", help="convert (once) and check the installed real models offline")
+    d.add_argument("--model", choices=["all", *sorted(MODELS)], default="all")
     d.add_argument("--folder", default=None, help="where the converted model lives "
-                   "(default: $TURBOQUANT_CACHE/models/SmolLM2-135M-Instruct)")
+                   "(default: $TURBOQUANT_CACHE/models/<name>; needs one --model)")
     d.add_argument("--prompt", default="The capital of France is")
-    d.add_argument("--expect", default="Paris", help="fail unless the continuation contains this ('' to skip)")
+    d.add_argument("--expect", default="Paris", help="fail unless this word's first token is among the "
+                   "--top most likely next tokens ('' to skip)")
+    d.add_argument("--top", type=_int_at_least(1), default=3)
     d.add_argument("--max-tokens", type=_int_at_least(1), default=8)
     d.set_defaults(run=_model)
+
+    names = ", ".join(sorted(MODELS))
+    gen = sub.add_parser("generate", help="text from a model through a compressed cache (attention from codes)")
+    gen.add_argument("--model", default="smollm2-135m", help=f"{names}, or the path of an mlx-lm model folder")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=_int_at_least(1), default=100)
+    _cache_arguments(gen)
+    gen.add_argument("--save-cache", default=None, help="save the prompt cache here afterwards")
+    gen.add_argument("--overwrite", action="store_true", help="let --save-cache replace an existing file")
+    gen.add_argument("--load-cache", default=None, help="continue from a cache saved by --save-cache")
+    gen.set_defaults(run=_generate)
+
+    ch = sub.add_parser("chat", help="a conversation through one compressed cache")
+    ch.add_argument("--model", default="smollm2-135m", help=f"{names}, or the path of an mlx-lm model folder")
+    ch.add_argument("--max-tokens", type=_int_at_least(1), default=256, help="per answer")
+    ch.add_argument("--system", default=None, help="a system message")
+    _cache_arguments(ch)
+    ch.set_defaults(run=_chat)
 
     e = sub.add_parser("eval", help="perplexity, agreement, fidelity and needle per cache configuration")
     e.add_argument("--configs", nargs="+", default=["chapter"],
@@ -177,8 +259,12 @@ def main(argv=None) -> int:
     k.add_argument("--repeats", type=_int_at_least(1), default=5)
     k.set_defaults(run=_kernels)
     args = p.parse_args(argv)
-    args.parser = {"memory": m, "model": d, "eval": e, "kernels": k}[args.command]
-    return args.run(args)
+    args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k}[args.command]
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as e:              # bad input: one line, no traceback
+        print(f"turboquant {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

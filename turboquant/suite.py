@@ -123,6 +123,7 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
     text = load_text(corpus)
     ids = tqeval.encode_text(tokenizer, text, tokens)
     prompt = ids[:256]
+    bos = tqeval.bos_id(tokenizer)
     captured = tqeval.capture_qkv(model, ids[:fidelity_tokens]) if fidelity_tokens else None
     hay = tqeval.encode_text(tokenizer, load_text("lee"), max(needle_contexts)) if needle_contexts else None
     D = _dims(model)
@@ -135,7 +136,7 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
         cfg = CONFIGS[name]
         mk = cfg.make_cache(model)
         t0 = time.time()
-        r = tqeval.perplexity(model, ids, mk, window=window, chunk=chunk)
+        r = tqeval.perplexity(model, ids, mk, window=window, chunk=chunk, bos=bos)
         row = {"family": cfg.family, "note": cfg.note, "bits": cfg.nominal_bits(D),
                "measured_bits": r["bits"], "ppl": r["ppl"], "nll": r["nll"]}
         if agreement_tokens and mk is not None:

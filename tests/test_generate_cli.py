@@ -1,0 +1,63 @@
+"""`turboquant generate` and `turboquant chat` on both installed models, a few tokens each."""
+import io
+import re
+
+import pytest
+
+from turboquant.cli import main
+from turboquant.generate import cache_options, chat, new_cache
+from turboquant.models import load
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_generate_streams_and_reports(model, capsys, tmp_path):
+    path = tmp_path / "c.safetensors"
+    assert main(["generate", "--model", model, "--prompt", "The capital of France is", "--max-tokens", "4",
+                 "--save-cache", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("The capital of France is") and "tok/s" in out and "fp16 would hold" in out
+    assert path.is_file()
+    held = int(re.search(r"for (\d+) tokens", out).group(1))
+    assert main(["generate", "--model", model, "--prompt", " Also", "--max-tokens", "2",
+                 "--load-cache", str(path)]) == 0
+    assert int(re.search(r"for (\d+) tokens", capsys.readouterr().out).group(1)) > held   # continued
+    with pytest.raises(SystemExit):                                        # the file exists
+        main(["generate", "--model", model, "--prompt", "x", "--save-cache", str(path)])
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_bad_options_are_one_line_errors(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--bits", "4", "--key-bits", "3"])
+    assert "contradict" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    path = tmp_path / "s.safetensors"
+    assert main(["generate", "--prompt", "x", "--max-tokens", "1", "--save-cache", str(path)]) == 0
+    assert main(["generate", "--model", "gemma3-270m", "--prompt", "x", "--load-cache", str(path)]) == 1
+    assert "30 layers, the model has 18" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="contradict"):
+        cache_options(bits=4.25, codec='{"codec": "identity"}')
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_chat_keeps_one_cache_and_prefills_only_the_new_turn(name):
+    model, tok = load(name)
+    cache = new_cache(model, cache_options())
+    turns = iter(["What is the capital of France?", "And of Italy?", ""])
+    out = io.StringIO()
+    offsets = []
+
+    def read(prompt):
+        offsets.append(cache[0].offset)
+        return next(turns)
+
+    msgs = chat(model, tok, cache, 8, read=read, out=out)
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
+    first_prompt = len(tok.apply_chat_template(msgs[:1], add_generation_prompt=True))
+    second = out.getvalue().split("[prefill ")[2]
+    prefilled = int(second.split()[0])
+    assert offsets[0] == 0 and offsets[1] >= first_prompt and offsets[2] > offsets[1]
+    assert prefilled < offsets[2]                 # only the new turn went through the model
+    if name == "smollm2-135m":
+        assert "Paris" in msgs[1]["content"]

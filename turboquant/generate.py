@@ -1,0 +1,160 @@
+"""``turboquant generate`` and ``turboquant chat``: text from any mlx-lm model through a
+compressed prompt cache, with attention computed from the codes (no dequantized copy).
+
+``cache_options`` turns the command line's cache options into ``make_prompt_cache``
+arguments; ``generate_text`` streams one completion; ``chat`` keeps one compressed cache
+across turns, prefilling only each new turn, as mlx-lm's chat does with its own cache.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, TextIO
+
+import mlx.core as mx
+
+__all__ = ["cache_options", "new_cache", "generate_text", "chat", "fp16_bytes", "report"]
+
+
+def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, value_bits: Optional[int] = None,
+                  codec: Optional[str] = None, max_kv_size: Optional[int] = None) -> dict:
+    """``make_prompt_cache`` keyword arguments from the CLI's options. At most one of
+    ``bits`` (a budget including side information), ``key_bits``/``value_bits``
+    (TurboQuant_mse index bits; the other side defaults to the same) and ``codec`` (a codec
+    config as JSON text or a JSON file, for keys and values); none means TurboQuant_mse at 4
+    bits for keys and values (4.25 bits per coordinate at head size 64).
+
+    Not ``bits=4.25`` by default: that budget picks centered keys, whose mean is fitted on
+    the first prefill; a short chat prompt, whose first token is the attention sink, skews
+    it (measured: SmolLM2's answer to "What is the capital of France?" becomes nonsense,
+    while plain 4-bit keys answer "Paris")."""
+    chosen = [n for n, v in (("--bits", bits), ("--key-bits/--value-bits", key_bits or value_bits),
+                             ("--codec", codec)) if v]
+    if len(chosen) > 1:
+        raise ValueError(f"choose one way to set the cache: {' and '.join(chosen)} contradict each other")
+    opts: dict = {"max_kv_size": max_kv_size}
+    if codec:
+        from .codecs.base import from_config
+        text = Path(codec).read_text() if Path(codec).is_file() else codec
+        try:
+            config = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--codec must be a codec config as JSON (or a JSON file), got {codec!r}: {e}") from None
+        from_config({**config, "dim": config.get("dim", 64)})   # validates the name and options early
+        opts["key_codec"] = lambda d: from_config({**config, "dim": d})
+    elif key_bits or value_bits:
+        from .codecs.scalar import TurboQuantMSE
+        kb, vb = key_bits or value_bits, value_bits or key_bits
+        opts["key_codec"] = lambda d: TurboQuantMSE(d, kb)
+        opts["value_codec"] = lambda d: TurboQuantMSE(d, vb)
+    elif bits is not None:
+        opts["bits"] = bits
+    else:
+        return cache_options(key_bits=4, max_kv_size=max_kv_size)
+    return opts
+
+
+def new_cache(model, options: dict, load_path: Optional[str] = None) -> list:
+    """A fresh compressed prompt cache, or the one saved at ``load_path`` (checked against
+    the model: layers, kv heads, head size)."""
+    import warnings
+    from .prompt_cache import load_prompt_cache, make_prompt_cache
+    if load_path is not None:
+        return load_prompt_cache(load_path, model=model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*apply to plain \\(global\\) layers only.*")
+        return make_prompt_cache(model, **options)
+
+
+def fp16_bytes(model, cache: list) -> int:
+    """Bytes an fp16 mlx-lm cache would hold for the same tokens in every layer
+    (sliding-window layers count their window, as their rings hold)."""
+    from .memory import geometry_from_model
+    g = geometry_from_model(model)
+    per_token = 2 * g.n_kv_heads * g.head_dim * 2
+    return sum(per_token * c.size() for c in cache if hasattr(c, "size"))
+
+
+def report(model, cache: list, prefill: tuple[int, float], decode: tuple[int, float]) -> str:
+    """The closing line: tokens/s for prefill and decode; the bytes of the codes held, the
+    bytes allocated (storage grows in steps of 256 tokens) and what fp16 would hold."""
+    (np_, tp), (nd, td) = prefill, decode
+    allocated = sum(c.nbytes for c in cache)
+    codes = sum(c.code_nbytes(c.size()) if hasattr(c, "code_nbytes") else c.nbytes for c in cache)
+    fp16 = fp16_bytes(model, cache)
+    rate = lambda n, t: f"{n / t:,.1f}" if t > 0 and n else "-"   # noqa: E731
+    ratio = f", {fp16 / codes:.2f}x smaller" if codes else ""
+    return (f"[prefill {np_} tokens at {rate(np_, tp)} tok/s · decode {nd} tokens at {rate(nd, td)} tok/s · "
+            f"cache: {codes / 1e6:,.3f} MB of codes for {cache_len(cache)} tokens ({allocated / 1e6:,.3f} MB "
+            f"allocated), fp16 would hold {fp16 / 1e6:,.3f} MB{ratio}]")
+
+
+def cache_len(cache: list) -> int:
+    """Tokens seen by the cache (its first layer's offset)."""
+    return next((c.offset for c in cache if hasattr(c, "offset")), 0)
+
+
+def generate_text(model, tokenizer, prompt_ids: list[int], cache: list, max_tokens: int,
+                  out: TextIO = sys.stdout) -> dict:
+    """Stream up to ``max_tokens`` greedy tokens after ``prompt_ids`` through ``cache``
+    (attention from codes), writing the text to ``out`` as it comes. Returns {"text",
+    "last_token" (generated but not yet in the cache), "prefill": (tokens, s), "decode":
+    (tokens, s)}."""
+    from mlx_lm.generate import stream_generate
+    from .attention import codes_attention
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    # text = decode(generated ids), written as it grows (mlx-lm's streaming detokenizer drops
+    # the first token's leading space); a partial UTF-8 character waits for its next byte
+    ids, shown, t0, first, last = [], "", time.perf_counter(), None, None
+    eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    with codes_attention(model):
+        for r in stream_generate(model, tokenizer, mx.array(prompt_ids), max_tokens=max_tokens,
+                                 prompt_cache=cache):
+            if first is None:
+                first = time.perf_counter()
+            last = r.token
+            if r.token in eos:
+                continue
+            ids.append(r.token)
+            text = tokenizer.decode(ids)
+            if not text.endswith("\ufffd") and text.startswith(shown):
+                out.write(text[len(shown):])
+                out.flush()
+                shown = text
+    n = len(ids) + (last is not None and last in eos)
+    end = time.perf_counter()
+    first = first or end
+    return {"text": tokenizer.decode(ids), "last_token": last, "prefill": (len(prompt_ids), first - t0),
+            "decode": (max(0, n - 1), end - first)}
+
+
+def chat(model, tokenizer, cache: list, max_tokens: int, read: Callable[[str], str] = input,
+         out: TextIO = sys.stdout, system: Optional[str] = None) -> list[dict]:
+    """A multi-turn conversation with the model's chat template through one compressed
+    cache, as mlx-lm's chat keeps its cache: each turn prefills only the new user message
+    (templated alone, the BOS token only on the first turn) after the previous answer's
+    final token. An empty line, ``/exit`` or end of input stops. Returns the messages."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this tokenizer has no chat template: use `turboquant generate`")
+    messages, pending = [], []
+    bos = getattr(tokenizer, "bos_token_id", None)
+    while True:
+        try:
+            line = read(">> ").strip()
+        except EOFError:
+            break
+        if not line or line == "/exit":
+            break
+        turn = ([{"role": "system", "content": system}] if system and not messages else []) + \
+            [{"role": "user", "content": line}]
+        ids = list(tokenizer.apply_chat_template(turn, add_generation_prompt=True))
+        if messages and bos is not None and ids[:1] == [bos]:
+            ids = ids[1:]                                  # the cache already starts with BOS
+        r = generate_text(model, tokenizer, pending + ids, cache, max_tokens, out)
+        out.write("\n" + report(model, cache, r["prefill"], r["decode"]) + "\n")
+        messages += turn + [{"role": "assistant", "content": r["text"]}]
+        pending = [] if r["last_token"] is None else [int(r["last_token"])]
+    return messages
