@@ -145,13 +145,14 @@ def _eval(args) -> int:
     if args.tokens < args.window:
         args.parser.error(f"argument --tokens: {args.tokens} tokens are fewer than one --window of "
                           f"{args.window}; give --tokens >= --window")
-    from .models import load_default
+    from .models import load
     if "fp32" not in names:
         names = ["fp32"] + names          # the reference every increase is measured against
-    model, tok = load_default()
+    model, tok = load(args.model)
     result = evaluate(model, tok, names, tokens=args.tokens, window=args.window, chunk=args.chunk,
                       agreement_tokens=args.agreement_tokens, fidelity_tokens=args.fidelity_tokens,
-                      needle_contexts=args.needle_contexts, corpus=args.corpus, progress=not args.quiet)
+                      needle_contexts=args.needle_contexts, corpus=args.corpus, progress=not args.quiet,
+                      model_name=f"{args.model} (float32)")
     print(f"{'configuration':32s} {'bits':>6} {'ppl':>9} {'Δppl %':>8}")
     for name, _, bits, ppl, inc in frontier_rows(result):
         print(f"{name:32s} {bits:>6.3g} {ppl:>9.3f} {inc:>+8.2f}")
@@ -241,6 +242,7 @@ def main(argv=None) -> int:
     e.add_argument("--configs", nargs="+", default=["chapter"],
                    help="configuration names, 'chapter' (default) or 'all'; see --list")
     e.add_argument("--list", action="store_true", help="list the configurations and exit")
+    e.add_argument("--model", default="smollm2-135m", help=f"{names}, or the path of an mlx-lm model folder")
     e.add_argument("--tokens", type=_int_at_least(2), default=1024, help="tokens scored for perplexity")
     e.add_argument("--window", type=_int_at_least(2), default=512, help="scoring window (a fresh cache each)")
     e.add_argument("--chunk", type=_int_at_least(1), default=128, help="prefill chunk size")

@@ -113,7 +113,8 @@ def _dims(model):
 def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window: int = 512,
              chunk: int = 128, agreement_tokens: int = 32, fidelity_tokens: int = 512,
              needle_contexts: Sequence[int] = (), needle_depths: Sequence[float] = (0.1, 0.5, 0.9),
-             corpus: str = "wikipedia", progress: bool = True) -> dict:
+             corpus: str = "wikipedia", progress: bool = True,
+             model_name: str = "SmolLM2-135M-Instruct (GGUF Q4_1 → float32)") -> dict:
     """Score each named configuration on the same tokens; returns a JSON-able dict:
     {"setup": …, "results": {name: {ppl, ppl_increase, bits, measured_bits, agreement,
     fidelity: [per-layer cos], needle: {context: accuracy}}}}."""
@@ -154,7 +155,7 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
     ref = results.get("fp32", {}).get("ppl")
     for row in results.values():
         row["ppl_increase"] = (row["ppl"] / ref - 1) if ref else None
-    return {"setup": {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 → float32)", "corpus": corpus,
+    return {"setup": {"model": model_name, "corpus": corpus, "bos": bos,
                       "tokens": tokens, "window": window, "chunk": chunk,
                       "agreement_tokens": agreement_tokens, "fidelity_tokens": fidelity_tokens,
                       "needle_contexts": list(needle_contexts), "needle_depths": list(needle_depths),
