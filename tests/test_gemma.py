@@ -45,7 +45,7 @@ def test_paris_is_among_the_three_most_likely_next_tokens(gemma):
 def test_fp32_perplexity_with_bos_at_512_token_windows(gemma, wiki):
     model, tok = gemma
     r = perplexity(model, wiki[:512], None, window=512, chunk=256, bos=bos_id(tok))
-    assert 15 < r["ppl"] < 40                      # measured 26.1 over two windows (Chapter 8)
+    assert 15 < r["ppl"] < 40                      # measured 26.1 over two windows (Chapter 9)
     # chunked scoring gives the loss of one full-window forward pass
     x = mx.array([2] + wiki[:512])[None]
     import mlx.nn as nn

@@ -35,6 +35,16 @@ def same_state(a, b):
         assert all(mx.array_equal(x[n], y[n]).item() for n in x)
 
 
+def step_agrees(ours, ref, x, window):
+    """One update of both rings: the same keys back, the same offset, the same masks."""
+    k, _ = ours.update_and_fetch(x, x)
+    rk, _ = ref.update_and_fetch(x, x)
+    assert mx.array_equal(k, rk).item() and ours.offset == ref.offset
+    for n in (1, 3):
+        a, b = ours.make_mask(n, window_size=window), ref.make_mask(n, window_size=window)
+        assert (a is None and b is None) or (isinstance(a, str) and a == b) or mx.array_equal(a, b).item()
+
+
 def test_save_load(tmp_path):
     cache = [tq.TurboQuantKVCache(exact()) for _ in range(4)]
     for c in cache:
@@ -140,13 +150,7 @@ def test_cache_copying():
 def test_rotating_masks_and_updates_equal_mlx_lm(max_size, steps):
     ours, ref = tq.TurboQuantRotatingKVCache(max_size, exact()), RotatingKVCache(max_size=max_size)
     for s in steps:
-        x = mx.random.uniform(shape=(1, 2, s, 4))
-        k, _ = ours.update_and_fetch(x, x)
-        rk, _ = ref.update_and_fetch(x, x)
-        assert mx.array_equal(k, rk).item() and ours.offset == ref.offset
-        for n in (1, 3):
-            a, b = ours.make_mask(n, window_size=4), ref.make_mask(n, window_size=4)
-            assert (a is None and b is None) or (isinstance(a, str) and a == b) or mx.array_equal(a, b).item()
+        step_agrees(ours, ref, mx.random.uniform(shape=(1, 2, s, 4)), window=4)
 
 
 def test_plain_masks_equal_mlx_lm():
@@ -168,12 +172,7 @@ def test_compacting_the_ring_changes_no_later_output(steps, keep):
     for i, s in enumerate(steps):
         x = mx.random.uniform(shape=(1, 2, s, 4), key=mx.random.key(i))
         seen.append(x)
-        k, _ = ours.update_and_fetch(x, x)
-        rk, _ = ref.update_and_fetch(x, x)
-        assert mx.array_equal(k, rk).item() and ours.offset == ref.offset
-        for n in (1, 3):
-            a, b = ours.make_mask(n, window_size=5), ref.make_mask(n, window_size=5)
-            assert (a is None and b is None) or (isinstance(a, str) and a == b) or mx.array_equal(a, b).item()
+        step_agrees(ours, ref, x, window=5)
         ordered = ours.ordered_codes()[0].dequantize()           # oldest first: the true history
         ours.compact()
         held = ours.ordered_codes()[0].dequantize()
