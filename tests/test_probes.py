@@ -2,12 +2,14 @@
 #13), one test per defect, so each stays fixed."""
 import copy
 import threading
+import warnings
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import turboquant as tq
+from turboquant.suite import CONFIGS
 from turboquant.codecs.base import Code
 
 
@@ -326,6 +328,10 @@ def test_fp_window_on_sliding_layers_warns_with_the_rule():
         cache = tq.make_prompt_cache(gemma, fp_window=8, sink_tokens=2)
     plain = [c for c in cache if not isinstance(c, tq.TurboQuantRotatingKVCache)]
     assert plain and all(c.fp_window == 8 and c.sink_tokens == 2 for c in plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                     # callers that build many caches opt out
+        tq.make_prompt_cache(gemma, fp_window=8, sink_tokens=2, warn_rotating=False)
+        CONFIGS["budget K4/V4"].make_cache(gemma)()
 
 
 # 13. codes_attention from overlapping threads restores mlx-lm

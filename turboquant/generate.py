@@ -59,13 +59,10 @@ def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, 
 def new_cache(model, options: dict, load_path: Optional[str] = None) -> list:
     """A fresh compressed prompt cache, or the one saved at ``load_path`` (checked against
     the model: layers, kv heads, head size)."""
-    import warnings
     from .prompt_cache import load_prompt_cache, make_prompt_cache
     if load_path is not None:
         return load_prompt_cache(load_path, model=model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*apply to plain \\(global\\) layers only.*")
-        return make_prompt_cache(model, **options)
+    return make_prompt_cache(model, **options, warn_rotating=False)
 
 
 def fp16_bytes(model, cache: list) -> int:

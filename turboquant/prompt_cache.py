@@ -73,7 +73,7 @@ def _warn_rotating(cache: list, fp_window: int, sink_tokens: int) -> None:
 
 def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec = None,
                       fp_window: int = 0, max_kv_size: Optional[int] = None, sink_tokens: int = 0,
-                      bits: Optional[float] = None) -> list:
+                      bits: Optional[float] = None, warn_rotating: bool = True) -> list:
     """The right TurboQuant cache for each layer of an mlx-lm model.
 
     Layers whose mlx-lm cache is a ``RotatingKVCache`` (sliding-window layers) get a
@@ -86,7 +86,7 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
 
     ``fp_window`` and ``sink_tokens`` apply to the plain (global) layers only: a rotating
     cache holds every token as codes, so with rotating layers present they are ignored there
-    with a warning.
+    with a warning (``warn_rotating=False``: silently, for callers that build many caches).
 
     ``bits`` asks for a memory budget instead of codecs: the best configuration measured in
     Chapter 9 with at most that many bits per coordinate (``turboquant.budget``; e.g. 4.25
@@ -112,7 +112,8 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
             out.append(TurboQuantKVCache(kc, vc, fp_window=fp_window, sink_tokens=sink_tokens))
         else:
             out.append(c)
-    _warn_rotating(out, fp_window, sink_tokens)
+    if warn_rotating:
+        _warn_rotating(out, fp_window, sink_tokens)
     return _tag(out)
 
 
@@ -153,7 +154,8 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
         if not rotating:
             new._update_sink(0, k, v)
         out.append(new)
-    _warn_rotating(out, fp_window, sink_tokens)
+    if warn_rotating:
+        _warn_rotating(out, fp_window, sink_tokens)
     return _tag(out)
 
 

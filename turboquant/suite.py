@@ -48,8 +48,11 @@ class Config:
             from mlx_lm.models.cache import QuantizedKVCache
             n = len(model.layers)
             return lambda: [QuantizedKVCache(group_size=64, bits=self.mlx_bits) for _ in range(n)]
+        # on models with sliding-window layers fp_window and sinks apply to the global layers
+        # only; make_prompt_cache would warn once per cache, i.e. per scoring window here
         return lambda: make_prompt_cache(model, key_codec=self.key, value_codec=self.value or self.key,
-                                         fp_window=self.fp_window, sink_tokens=self.sink_tokens)
+                                         fp_window=self.fp_window, sink_tokens=self.sink_tokens,
+                                         warn_rotating=False)
 
     def nominal_bits(self, dim: int) -> float:
         """Average over K and V of the codec's bits per coordinate (side information included)."""
