@@ -36,6 +36,9 @@ def test_bad_options_are_one_line_errors(capsys, tmp_path):
     assert main(["generate", "--prompt", "x", "--max-tokens", "1", "--save-cache", str(path)]) == 0
     assert main(["generate", "--model", "gemma3-270m", "--prompt", "x", "--load-cache", str(path)]) == 1
     assert "30 layers, the model has 18" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--load-cache", str(path), "--key-bits", "3"])
+    assert "own codecs" in capsys.readouterr().err
     with pytest.raises(ValueError, match="contradict"):
         cache_options(bits=4.25, codec='{"codec": "identity"}')
 

@@ -88,6 +88,11 @@ def _model(args) -> int:
 def _load_for_generation(args):
     from .generate import cache_options, new_cache
     from .models import load
+    set_ = [f"--{n.replace('_', '-')}" for n in ("bits", "key_bits", "value_bits", "codec", "max_kv_size")
+            if getattr(args, n) is not None]
+    if getattr(args, "load_cache", None) and set_:
+        args.parser.error(f"--load-cache restores the saved cache with its own codecs: {', '.join(set_)} "
+                          "would contradict it")
     try:
         options = cache_options(args.bits, args.key_bits, args.value_bits, args.codec, args.max_kv_size)
     except ValueError as e:
