@@ -154,8 +154,7 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
         if not rotating:
             new._update_sink(0, k, v)
         out.append(new)
-    if warn_rotating:
-        _warn_rotating(out, fp_window, sink_tokens)
+    _warn_rotating(out, fp_window, sink_tokens)
     return _tag(out)
 
 
