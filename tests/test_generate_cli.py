@@ -41,6 +41,11 @@ def test_bad_options_are_one_line_errors(capsys, tmp_path):
     assert "own codecs" in capsys.readouterr().err
     with pytest.raises(ValueError, match="contradict"):
         cache_options(bits=4.25, codec='{"codec": "identity"}')
+    for bad in ("4", "[1]", '{"codec": "identity", "x": "' + "y" * 300 + '"}'):
+        with pytest.raises((ValueError, TypeError)):
+            cache_options(codec=bad)
+    assert main(["generate", "--prompt", "x", "--codec", '{"codec": "identity", "x": 1}']) == 1
+    assert "unexpected keyword argument 'x'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
@@ -58,9 +63,10 @@ def test_chat_keeps_one_cache_and_prefills_only_the_new_turn(name):
     msgs = chat(model, tok, cache, 8, read=read, out=out)
     assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
     first_prompt = len(tok.apply_chat_template(msgs[:1], add_generation_prompt=True))
-    second = out.getvalue().split("[prefill ")[2]
-    prefilled = int(second.split()[0])
-    assert offsets[0] == 0 and offsets[1] >= first_prompt and offsets[2] > offsets[1]
-    assert prefilled < offsets[2]                 # only the new turn went through the model
+    (p1, d1), (p2, d2) = [tuple(map(int, m)) for m in
+                          re.findall(r"\[prefill (\d+) tokens .*? decode (\d+) tokens", out.getvalue())]
+    # every generated token is in the cache once (mlx-lm runs a token before yielding it)
+    assert offsets == [0, p1 + d1 + 1, p1 + d1 + 1 + p2 + d2 + 1] and p1 == first_prompt
+    assert p2 < offsets[1] + p2                   # only the new turn went through the model
     if name == "smollm2-135m":
         assert "Paris" in msgs[1]["content"]

@@ -196,3 +196,5 @@ def test_a_ring_from_tokens_continues_like_one_that_saw_them():
         assert mx.array_equal(built.update_and_fetch(y, y)[0], ref.update_and_fetch(y, y)[0]).item()
     with pytest.raises(ValueError, match="offset"):
         tq.TurboQuantRotatingKVCache.from_tokens(8, x, x, exact(), offset=3)
+    with pytest.raises(ValueError, match="holds 8 of them; 3 given"):     # too few for its history
+        tq.TurboQuantRotatingKVCache.from_tokens(8, x[..., :3, :], x[..., :3, :], exact(), offset=10)

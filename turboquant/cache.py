@@ -320,6 +320,9 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
         if T is None or T < 1:
             raise ValueError(f"keys must be a non-empty (B, H, T, D) mx.array, got {getattr(keys, 'shape', keys)!r}")
         offset = T if offset is None else check_int("offset", offset, T)
+        if T < min(offset, max_size):
+            raise ValueError(f"a ring of max_size={max_size} after {offset} tokens holds "
+                             f"{min(offset, max_size)} of them; {T} given")
         cache = cls(max_size, key_codec, value_codec, keep=keep)
         cache.offset = offset - T
         cache.update_and_fetch(keys, values)
@@ -339,7 +342,8 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
         """Drop what no later step can see: keep at most ``max_size`` tokens (the ``keep``
         first ones and the most recent). After a prefill of S tokens the
         ring holds up to max_size + S − 1; compacting brings memory back to the window
-        without changing any later output, mask or state the protocol exposes."""
+        without changing any later output or mask (the stored arrays and ``idx`` in
+        ``meta_state`` do change: they are what the next update would have made them)."""
         if self.keys is None or self.offset == 0:
             return
         cut = self.keys.length - self.max_size

