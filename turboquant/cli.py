@@ -5,7 +5,8 @@ commands:
   turboquant model     convert (once) and check the installed real models, offline
   turboquant generate  text from a model through a compressed cache (attention from codes)
   turboquant chat      a conversation through one compressed cache
-  turboquant eval      compare cache configurations on the default model (Chapter 9)
+  turboquant calibrate fit calibrated caches for a model, write its profile (Chapter 10)
+  turboquant eval      compare cache configurations on the default model (Chapters 9, 10)
   turboquant kernels   which fused-kernel back-end is used, its self-check, a decode benchmark
 
 Run `turboquant COMMAND --help` for the options of each.
@@ -135,6 +136,29 @@ def _cache_arguments(p) -> None:
     g.add_argument("--max-kv-size", type=_int_at_least(1), default=None, help="keep at most this many tokens per layer")
 
 
+def _calibrate(args) -> int:
+    from .calibrate import calibrate, profile_path, save_profile
+    from .models import load
+    text = None
+    if args.text is not None:
+        path = Path(args.text)
+        if not path.is_file():
+            args.parser.error(f"argument --text: no file {path}")
+        text = path.read_text(encoding="utf-8", errors="strict")
+    model, tok = load(args.model)
+    name = args.model if args.name is None else args.name
+    prof = calibrate(model, tok, args.budgets, name=name, corpus=args.corpus if text is None else str(args.text),
+                     text=text, windows=args.windows, heldout=args.heldout, progress=not args.quiet)
+    print(f"{'budget':>6} {'keys':>5} {'values':>6} {'outliers':>8} {'bits':>6} {'Δppl % (held-out calibration text)':>36}")
+    for e in prof["budgets"]:
+        c = e["choice"]
+        print(f"{e['budget']:>6g} {c['key_bits']:>5g} {c['value_bits']:>6g} {c['outliers']:>8d} {e['bits']:>6.3f} "
+              f"{100 * e['ppl_increase']:>+36.2f}")
+    out = save_profile(prof, args.out or profile_path(name))
+    print(f"wrote {out}: make_prompt_cache(model, bits=…) now uses it for this model")
+    return 0
+
+
 def _eval(args) -> int:
     from .suite import CHAPTER_CONFIGS, CONFIGS, evaluate, frontier_rows
     if args.list:
@@ -157,7 +181,8 @@ def _eval(args) -> int:
     result = evaluate(model, tok, names, tokens=args.tokens, window=args.window, chunk=args.chunk,
                       agreement_tokens=args.agreement_tokens, fidelity_tokens=args.fidelity_tokens,
                       needle_contexts=args.needle_contexts, corpus=args.corpus, progress=not args.quiet,
-                      model_name=f"{args.model} (float32)")
+                      model_name=f"{args.model} (float32)", calibration_corpus=args.calibration_corpus,
+                      compare=args.compare)
     print(f"{'configuration':32s} {'bits':>6} {'ppl':>9} {'Δppl %':>8}")
     for name, _, bits, ppl, inc in frontier_rows(result):
         print(f"{name:32s} {bits:>6.3g} {ppl:>9.3f} {inc:>+8.2f}")
@@ -243,6 +268,21 @@ def main(argv=None) -> int:
     _cache_arguments(ch)
     ch.set_defaults(run=_chat)
 
+    c = sub.add_parser("calibrate", help="fit calibrated caches for a model and write its profile")
+    c.add_argument("--model", default="smollm2-135m", help=f"{names}, or the path of an mlx-lm model folder")
+    c.add_argument("--budgets", type=float, nargs="+", default=[2.25, 3.25, 4.25],
+                   help="bits per coordinate (side information included)")
+    c.add_argument("--corpus", choices=["wikipedia", "lee"], default="wikipedia",
+                   help="calibration text (evaluate on the other one)")
+    c.add_argument("--text", default=None, help="a UTF-8 text file to calibrate on instead of --corpus")
+    c.add_argument("--windows", type=_int_at_least(1), default=8, help="512-token calibration windows")
+    c.add_argument("--heldout", type=_int_at_least(512), default=2048,
+                   help="calibration-text tokens (after the windows) that choose between candidates")
+    c.add_argument("--name", default=None, help="the profile's name (default: --model)")
+    c.add_argument("--out", default=None, help="where to write the profile (default: $TURBOQUANT_CACHE/profiles/NAME.json)")
+    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.set_defaults(run=_calibrate)
+
     e = sub.add_parser("eval", help="perplexity, agreement, fidelity and needle per cache configuration")
     e.add_argument("--configs", nargs="+", default=["chapter"],
                    help="configuration names, 'chapter' (default) or 'all'; see --list")
@@ -254,7 +294,11 @@ def main(argv=None) -> int:
     e.add_argument("--agreement-tokens", type=_int_at_least(0), default=16, help="greedy tokens for top-1 agreement (0: skip)")
     e.add_argument("--fidelity-tokens", type=_int_at_least(0), default=512, help="tokens captured for per-layer fidelity (0: skip)")
     e.add_argument("--needle-contexts", type=_int_at_least(64), nargs="*", default=[], help="needle test context lengths")
-    e.add_argument("--corpus", choices=["wikipedia", "lee"], default="wikipedia")
+    e.add_argument("--corpus", choices=["wikipedia", "lee"], default="wikipedia", help="evaluation text")
+    e.add_argument("--calibration-corpus", choices=["wikipedia", "lee"], default="wikipedia",
+                   help="text the calibrated configurations are fitted on (must differ from --corpus)")
+    e.add_argument("--compare", action="store_true",
+                   help="also KL divergence from fp32 and top-1 agreement on every scored token")
     e.add_argument("--out", default=None, help="write the results as JSON here")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(run=_eval)
@@ -266,7 +310,7 @@ def main(argv=None) -> int:
     k.add_argument("--repeats", type=_int_at_least(1), default=5)
     k.set_defaults(run=_kernels)
     args = p.parse_args(argv)
-    args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k}[args.command]
+    args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c}[args.command]
     try:
         return args.run(args)
     except (ValueError, TypeError, FileNotFoundError) as e:   # bad input: one line, no traceback

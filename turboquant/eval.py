@@ -100,7 +100,8 @@ def bos_id(tokenizer) -> Optional[int]:
 
 
 def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, window: int = 512,
-               chunk: int = 128, progress: bool = False, bos: Optional[int] = None) -> dict:
+               chunk: int = 128, progress: bool = False, bos: Optional[int] = None,
+               compare: bool = False) -> dict:
     """Perplexity of ``tokens`` scored in consecutive windows of ``window`` tokens, each
     prefilled through a fresh cache in chunks of ``chunk`` tokens.
 
@@ -110,7 +111,11 @@ def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, windo
     262,144 × 2,048 tokens × 4 bytes would be 2.1 GB at once).
 
     Returns {"ppl", "nll" (mean, nats), "n_scored", "windows", "bits"}: "bits" is the
-    cache's measured bits per cached coordinate after the first window (``cache_bits``)."""
+    cache's measured bits per cached coordinate after the first window (``cache_bits``).
+    With ``compare``, every window also runs through a full-precision cache, and the
+    result adds "kl" (mean KL divergence of the next-token distribution from the
+    full-precision one, nats) and "top1" (fraction of scored positions whose most likely
+    next token is the same): both teacher-forced on the same tokens."""
     tokens = list(tokens)
     if window < 2 or chunk < 1:
         raise ValueError(f"window must be ≥ 2 and chunk ≥ 1, got window={window}, chunk={chunk}")
@@ -118,25 +123,36 @@ def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, windo
     if n_win == 0:
         raise ValueError(f"{len(tokens)} tokens are fewer than one window of {window}")
     head = [] if bos is None else [int(bos)]
-    total, count, bits = 0.0, 0, None
+    total, count, bits, kl, top1 = 0.0, 0, None, 0.0, 0
     for w in _progress(range(n_win), n_win, "perplexity", progress):
         x = mx.array(head + tokens[w * window:(w + 1) * window])[None]
         first = len(head) + 1                       # index in x of the first scored token
         cache = _fresh(model, make_cache)
+        ref = _fresh(model, None) if compare else None
         nll = 0.0
         for i in range(0, x.shape[1], chunk):
             logits = model(x[:, i:i + chunk], cache=cache).astype(mx.float32)
             lo = max(i, first - 1)                  # positions i..i+c−1 predict i+1..i+c
             hi = min(i + logits.shape[1], x.shape[1] - 1)
+            if compare:
+                exact = model(x[:, i:i + chunk], cache=ref).astype(mx.float32)
             if hi > lo:
                 part = nn.losses.cross_entropy(logits[:, lo - i:hi - i], x[:, lo + 1:hi + 1], reduction="sum")
                 nll += part.item()
+                if compare:
+                    lp = logits[:, lo - i:hi - i] - mx.logsumexp(logits[:, lo - i:hi - i], axis=-1, keepdims=True)
+                    lr = exact[:, lo - i:hi - i] - mx.logsumexp(exact[:, lo - i:hi - i], axis=-1, keepdims=True)
+                    kl += mx.sum(mx.exp(lr) * (lr - lp)).item()
+                    top1 += mx.sum(lp.argmax(-1) == lr.argmax(-1)).item()
         total += nll
         count += window - 1
         if bits is None:
             bits = cache_bits(model, cache)
-    return {"ppl": math.exp(total / count), "nll": total / count, "n_scored": count,
-            "windows": n_win, "bits": bits}
+    out = {"ppl": math.exp(total / count), "nll": total / count, "n_scored": count,
+           "windows": n_win, "bits": bits}
+    if compare:
+        out.update(kl=kl / count, top1=top1 / count)
+    return out
 
 
 def cache_bits(model, cache) -> float:

@@ -52,14 +52,37 @@ def check_layers(cache: list, model) -> None:
         raise ValueError(f"the prompt cache has {len(cache)} layers, the model has {n}")
 
 
-def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int):
-    """(key codec spec, value codec spec, sink tokens) of the best measured configuration
-    within ``bits`` (``turboquant.budget``); ``bits`` excludes explicit codecs and sinks."""
+def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, model=None, profile=None):
+    """(key codec spec(s), value codec spec(s), sink tokens) for a budget of ``bits``: from the
+    model's calibrated profile when there is one (``turboquant.calibrate``: one codec per
+    layer), else the best uncalibrated configuration measured in Chapter 9
+    (``turboquant.budget``). ``bits`` excludes explicit codecs and sinks."""
     from .budget import codecs_for, pick
     if key_codec is not None or value_codec is not None or sink_tokens:
         raise ValueError("give either bits= or key_codec/value_codec/sink_tokens, not both")
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or bits != bits:
+        raise TypeError(f"bits must be a number, got {bits!r}")
+    if model is not None and profile is not False:
+        from . import calibrated as calibrate
+        prof = profile
+        if isinstance(prof, (str, os.PathLike)):
+            prof = calibrate.load_profile(prof)
+        elif prof is None:
+            prof = calibrate.find_profile(model)
+        if prof is not None:
+            keys, values, sinks, _ = calibrate.profile_codecs(model, prof, bits)
+            return keys, values, sinks
     choice = pick(bits, dim)
     return (*codecs_for(choice), choice.sink_tokens)
+
+
+def _per_layer(spec, i: int, n: int):
+    """Layer i's entry of a per-layer list of codec specs (one per cache), else ``spec``."""
+    if isinstance(spec, (list, tuple)):
+        if len(spec) != n:
+            raise ValueError(f"a per-layer codec list needs one entry per cache ({n}), got {len(spec)}")
+        return spec[i]
+    return spec
 
 
 def _warn_rotating(cache: list, fp_window: int, sink_tokens: int) -> None:
@@ -73,7 +96,7 @@ def _warn_rotating(cache: list, fp_window: int, sink_tokens: int) -> None:
 
 def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec = None,
                       fp_window: int = 0, max_kv_size: Optional[int] = None, sink_tokens: int = 0,
-                      bits: Optional[float] = None, warn_rotating: bool = True) -> list:
+                      bits: Optional[float] = None, warn_rotating: bool = True, profile=None) -> list:
     """The right TurboQuant cache for each layer of an mlx-lm model.
 
     Layers whose mlx-lm cache is a ``RotatingKVCache`` (sliding-window layers) get a
@@ -88,9 +111,16 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     cache holds every token as codes, so with rotating layers present they are ignored there
     with a warning (``warn_rotating=False``: silently, for callers that build many caches).
 
-    ``bits`` asks for a memory budget instead of codecs: the best configuration measured in
-    Chapter 9 with at most that many bits per coordinate (``turboquant.budget``; e.g. 4.25
-    → centered 4-bit keys, 4-bit values, one sink token). It cannot be combined with
+    ``key_codec``/``value_codec`` may also be lists with one specification per cache (per
+    layer), e.g. codecs calibrated per layer.
+
+    ``bits`` asks for a memory budget instead of codecs. With a calibrated profile for this
+    model (``profile``: a profile dict or path; None: the one ``turboquant.calibrate.find_profile``
+    finds — the installed models ship one; False: do not use profiles), the profile's best
+    measured configuration within ``bits`` (transform coders per layer, fitted on the
+    profile's calibration text; Chapter 10). Without one, the best uncalibrated configuration
+    measured in Chapter 9 (``turboquant.budget``; e.g. 4.25 → centered 4-bit keys, 4-bit
+    values, one sink token). ``bits`` cannot be combined with
     ``key_codec``/``value_codec``/``sink_tokens``.
     """
     if max_kv_size is not None:
@@ -98,11 +128,13 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     fp_window, sink_tokens = check_int("fp_window", fp_window, 0), check_int("sink_tokens", sink_tokens, 0)
     dim = _head_dim(model)
     if bits is not None:
-        key_codec, value_codec, sink_tokens = _budget(bits, dim, key_codec, value_codec, sink_tokens)
+        key_codec, value_codec, sink_tokens = _budget(bits, dim, key_codec, value_codec, sink_tokens,
+                                                      model, profile)
     reference = mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
     out = []
-    for c in reference:
-        kc, vc = codec_pair(key_codec, value_codec, dim)
+    for i, c in enumerate(reference):
+        n = len(reference)
+        kc, vc = codec_pair(_per_layer(key_codec, i, n), _per_layer(value_codec, i, n), dim)
         if isinstance(c, mlx_cache.RotatingKVCache):
             size = c.max_size if max_kv_size is None else min(c.max_size, max_kv_size)
             out.append(TurboQuantRotatingKVCache(size, kc, vc, keep=min(c.keep, size - 1)))

@@ -39,9 +39,32 @@ class Config:
     mlx_bits: Optional[int] = None          # mlx-lm QuantizedKVCache(group_size=64, bits)
     note: str = ""
     extra: dict = field(default_factory=dict)
+    kivi: Optional[tuple] = None            # (bits, group, residual): KIVICache
+    calibrated: Optional[dict] = None       # fit_layers arguments: fitted on calibration text
+    profile_bits: Optional[float] = None    # make_prompt_cache(model, bits=…) with the model's profile
 
-    def make_cache(self, model) -> Optional[Callable[[], list]]:
-        """A zero-argument cache factory for ``turboquant.eval`` (None: fp32 KVCache)."""
+    @property
+    def needs_calibration(self) -> bool:
+        return self.calibrated is not None
+
+    def make_cache(self, model, stats=None) -> Optional[Callable[[], list]]:
+        """A zero-argument cache factory for ``turboquant.eval`` (None: fp32 KVCache).
+        ``stats``: ``turboquant.calibrate.capture_statistics`` of the calibration text, for
+        calibrated configurations."""
+        if self.kivi is not None:
+            from .kivi import KIVICache
+            n = len(model.layers)
+            return lambda: [KIVICache(*self.kivi) for _ in range(n)]
+        if self.calibrated is not None:
+            from .calibrate import fit_layers
+            if stats is None:
+                raise ValueError("a calibrated configuration needs calibration statistics")
+            keys, values = fit_layers(stats, **self.calibrated)
+            return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values,
+                                             sink_tokens=self.sink_tokens, warn_rotating=False)
+        if self.profile_bits is not None:
+            make_prompt_cache(model, bits=self.profile_bits)          # fit once, outside the timing
+            return lambda: make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False)
         if self.key is None and self.mlx_bits is None:
             return None
         if self.mlx_bits is not None:
@@ -58,6 +81,16 @@ class Config:
         """Average over K and V of the codec's bits per coordinate (side information included)."""
         if self.mlx_bits is not None:
             return self.mlx_bits + 32 / 64
+        if self.kivi is not None:
+            b, g, _ = self.kivi
+            return b + (32 / g + 32 / 64) / 2          # without the float16 recent window: see measured_bits
+        if self.calibrated is not None:
+            c = self.calibrated
+            if c.get("uniform"):
+                return (c["key_bits"] + c["value_bits"]) / 2 + 24 * c.get("outliers", 0) / dim
+            return (round(c["key_bits"] * dim) + round(c["value_bits"] * dim)) / (2 * dim)
+        if self.profile_bits is not None:
+            return self.profile_bits
         if self.key is None:
             return 32.0
         kc, vc = self.key(dim), (self.value or self.key)(dim)
@@ -101,6 +134,37 @@ CONFIGS: dict[str, Config] = {
     "centered TQ-mse 4": Config("centered", lambda d: Centered(TurboQuantMSE(d, 4))),
     "centered TQ-mse 3": Config("centered", lambda d: Centered(TurboQuantMSE(d, 3))),
     **_budget_configs(),
+    # ---- published methods, reproduced on the same tokens (Chapter 10)
+    **{f"rotated affine {b}": Config("rotated affine", lambda d, b=b: AffineCodec(d, b, 64, rotation="hadamard"),
+                                     note="randomized Hadamard, then mx.quantize g=64 (mlx-lm #1555, "
+                                          "llama.cpp rotated q4_0)") for b in (4, 3, 2)},
+    **{f"split channels {b + 1}/{b}": Config(
+        "split channels", lambda d, b=b: OutlierSplit(d, n_outliers=d // 2, outlier_bits=b + 1, bits=b),
+        note="half the channels (highest RMS) at b+1 bits, each half rotated (sharpner's fractional rates)")
+       for b in (3, 2)},
+    **{f"KIVI {b}": Config("KIVI-style", kivi=(b, 32, 32),
+                           note="keys per channel in groups of 32 tokens, values per token (g=64), "
+                                "32–63 newest tokens in float16 (counted in measured bits)") for b in (4, 2)},
+    **{f"KVQuant-style {b}": Config(
+        "KVQuant-style", sink_tokens=1,
+        calibrated=dict(key_bits=b, value_bits=b, outliers=1, transform="channels", uniform=True),
+        note="per-channel non-uniform levels fitted on calibration text, 1 exact outlier per vector, "
+             "exact first token; after RoPE (mlx-lm applies it before the cache)") for b in (4, 3, 2)},
+    # ---- ours: transform coding calibrated on another text (Chapter 10)
+    **{f"calibrated {b}": Config(
+        "calibrated transform coding", sink_tokens=1,
+        calibrated=dict(key_bits=b, value_bits=b, outliers=1),
+        note="per-head KLT under the query metric (keys), KLT (values), reverse water-filling, "
+             "1 exact outlier, exact first token") for b in (4.25, 3.25, 2.25)},
+    **{f"ablation {b}: {label}": Config("calibrated transform coding (ablation)", sink_tokens=1,
+                                        calibrated=dict(key_bits=b, value_bits=b, **kw), note=label)
+       for b in (4.25, 3.25, 2.25) for label, kw in (
+           ("channels + water-filling", dict(outliers=0, transform="channels")),
+           ("KLT", dict(outliers=0, query_metric=False)),
+           ("KLT + query metric", dict(outliers=0)))},
+    **{f"profile {b}": Config("profile (make_prompt_cache(bits=…))", profile_bits=b,
+                              note="the model's shipped profile: the configuration calibrate chose")
+       for b in (4.25, 3.25, 2.25)},
 }
 
 CHAPTER_CONFIGS = ("fp32", "mlx-lm affine 4", "uniform 4", "uniform 3", "TQ-mse 4", "TQ-mse 3",
@@ -117,13 +181,23 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
              chunk: int = 128, agreement_tokens: int = 32, fidelity_tokens: int = 512,
              needle_contexts: Sequence[int] = (), needle_depths: Sequence[float] = (0.1, 0.5, 0.9),
              corpus: str = "wikipedia", progress: bool = True,
-             model_name: str = "SmolLM2-135M-Instruct (GGUF Q4_1 → float32)") -> dict:
+             model_name: str = "SmolLM2-135M-Instruct (GGUF Q4_1 → float32)",
+             calibration_corpus: str = "wikipedia", calibration_windows: int = 8,
+             compare: bool = False) -> dict:
     """Score each named configuration on the same tokens; returns a JSON-able dict:
     {"setup": …, "results": {name: {ppl, ppl_increase, bits, measured_bits, agreement,
-    fidelity: [per-layer cos], needle: {context: accuracy}}}}."""
+    fidelity: [per-layer cos], needle: {context: accuracy}, kl, top1}}}.
+
+    Calibrated configurations are fitted on ``calibration_windows`` windows of 512 tokens of
+    ``calibration_corpus``, which must differ from ``corpus``. ``compare`` adds the mean KL
+    divergence from fp32 and the teacher-forced top-1 agreement on every scored token."""
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configuration(s) {unknown}; known: {sorted(CONFIGS)}")
+    calibrated = [n for n in names if CONFIGS[n].needs_calibration]
+    if calibrated and calibration_corpus == corpus:
+        raise ValueError(f"{calibrated} are calibrated on {calibration_corpus!r}: evaluate them on another "
+                         f"corpus (corpus={corpus!r})")
     text = load_text(corpus)
     ids = tqeval.encode_text(tokenizer, text, tokens)
     prompt = ids[:256]
@@ -131,6 +205,11 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
     captured = tqeval.capture_qkv(model, ids[:fidelity_tokens]) if fidelity_tokens else None
     hay = tqeval.encode_text(tokenizer, load_text("lee"), max(needle_contexts)) if needle_contexts else None
     D = _dims(model)
+    stats = None
+    if calibrated:
+        from .calibrate import WINDOW, capture_statistics
+        cal = tqeval.encode_text(tokenizer, load_text(calibration_corpus), calibration_windows * WINDOW)
+        stats = capture_statistics(model, cal, bos=bos)
     results, start = {}, time.time()
     it = names
     if progress:
@@ -138,16 +217,19 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
         it = tqdm(names, desc="configurations")
     for name in it:
         cfg = CONFIGS[name]
-        mk = cfg.make_cache(model)
+        mk = cfg.make_cache(model, stats)
         t0 = time.time()
-        r = tqeval.perplexity(model, ids, mk, window=window, chunk=chunk, bos=bos)
+        r = tqeval.perplexity(model, ids, mk, window=window, chunk=chunk, bos=bos,
+                              compare=compare and mk is not None)
         row = {"family": cfg.family, "note": cfg.note, "bits": cfg.nominal_bits(D),
                "measured_bits": r["bits"], "ppl": r["ppl"], "nll": r["nll"]}
+        if compare:
+            row["kl"], row["top1"] = r.get("kl", 0.0), r.get("top1", 1.0)
         if agreement_tokens and mk is not None:
             row["agreement"] = tqeval.greedy_agreement(model, prompt, agreement_tokens, mk)
         elif agreement_tokens:
             row["agreement"] = 1.0
-        if captured is not None and cfg.key is not None:
+        if captured is not None and cfg.key is not None and cfg.calibrated is None:
             fid = tqeval.layer_fidelity(captured, cfg.key, cfg.value or cfg.key, sink_tokens=cfg.sink_tokens)
             row["fidelity_cos"] = [f["cos_mean"] for f in fid]
         if needle_contexts:
@@ -159,6 +241,8 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
     for row in results.values():
         row["ppl_increase"] = (row["ppl"] / ref - 1) if ref else None
     return {"setup": {"model": model_name, "corpus": corpus, "bos": bos,
+                      "calibration": {"corpus": calibration_corpus, "windows": calibration_windows}
+                      if calibrated else None, "compare": compare,
                       "tokens": tokens, "window": window, "chunk": chunk,
                       "agreement_tokens": agreement_tokens, "fidelity_tokens": fidelity_tokens,
                       "needle_contexts": list(needle_contexts), "needle_depths": list(needle_depths),

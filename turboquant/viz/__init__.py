@@ -3,6 +3,7 @@
 Every widget wraps a pure ``plot_*`` function that returns a matplotlib figure.
 """
 from .bitaxon import plot_swa_budget
+from .calibrated import plot_allocation, plot_budget_choice, plot_spectra
 from .fibquant import plot_fibquant_codebook, plot_frontier, plot_radius_law
 from .inner import plot_qjl_estimates, qjl_estimates
 from .memory import MACBOOK_AIR_BYTES, plot_kv_calculator, plot_kv_memory
@@ -17,4 +18,5 @@ __all__ = ["COLORS", "GB", "MB", "figure", "interact", "table", "plot_kv_memory"
            "plot_rotation_effect", "plot_coordinate_law", "plot_block_law", "plot_codebook",
            "plot_rate_distortion", "plot_qjl_estimates", "qjl_estimates", "plot_polar_angles",
            "plot_radius_law", "plot_fibquant_codebook", "plot_frontier", "plot_swa_budget",
-           "plot_ppl_frontier", "plot_layer_heatmap", "plot_sink_mass"]
+           "plot_ppl_frontier", "plot_layer_heatmap", "plot_sink_mass", "plot_spectra", "plot_allocation",
+           "plot_budget_choice"]

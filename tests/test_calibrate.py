@@ -1,0 +1,116 @@
+"""Calibrated caches and profiles (``turboquant.calibrate``), on a tiny random model."""
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import turboquant as tq
+from turboquant import calibrate as cal
+from turboquant.codecs import Centered
+from turboquant.codecs.transform import TransformCoder
+from turboquant.models import ByteTokenizer, tiny_model
+
+TEXT = " ".join(f"word{(7 * i) % 97} and then some text number {i}." for i in range(400))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def profile(model):
+    return cal.calibrate(model, ByteTokenizer(), [3.25, 4.25], name="tiny", corpus="test text", text=TEXT,
+                         windows=1, heldout=512, progress=False)
+
+
+def test_statistics_leave_out_the_sink_and_group_the_queries(model):
+    ids = ByteTokenizer().encode(TEXT)[:1024]
+    stats = cal.capture_statistics(model, ids, sink=1)
+    assert len(stats) == 2
+    s = stats[0]
+    assert s["k"].shape == (2, 2 * 511, 16) and s["v"].shape == (2, 2 * 511, 16)
+    m = s["metric"]
+    assert m.shape == (2, 16, 16) and np.allclose(m, np.swapaxes(m, 1, 2))
+    assert np.linalg.eigvalsh(m).min() > -1e-9
+
+
+def test_a_profile_records_the_best_candidate_within_each_budget(profile):
+    assert [e["budget"] for e in profile["budgets"]] == [3.25, 4.25]
+    for e in profile["budgets"]:
+        assert e["bits"] <= e["budget"] + 1e-9
+        assert e["ppl"] == min(c["ppl"] for c in e["candidates"]) and len(e["candidates"]) >= 2
+    assert profile["signature"]["head_dim"] == 16 and profile["calibration"]["corpus"] == "test text"
+
+
+def test_make_prompt_cache_uses_the_profile(model, profile, tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
+    path = cal.save_profile(profile, cal.profile_path("tiny"))
+    assert cal.load_profile(path) == json.loads(json.dumps(profile))
+    cache = tq.make_prompt_cache(model, bits=4.25)
+    assert all(isinstance(c.key_codec, TransformCoder) and c.sink_tokens == 1 for c in cache)
+    assert cache[0].key_codec is not cache[1].key_codec              # one fitted codec per layer
+    best = cal.profile_entry(profile, 4.25, 16)
+    assert cache[0].key_codec.bits_per_coordinate == round(best["choice"]["key_bits"] * 16) / 16
+    # the cache works: the model runs through it
+    logits = model(mx.array([[5, 6, 7, 8]]), cache=cache)
+    assert mx.all(mx.isfinite(logits)).item()
+    # without the profile: the uncalibrated budgets of Chapter 9
+    plain = tq.make_prompt_cache(model, bits=4.25, profile=False)
+    assert isinstance(plain[0].key_codec, Centered)
+    # an explicit profile path works too, and a too-small budget is refused with the smallest
+    assert isinstance(tq.make_prompt_cache(model, bits=4.25, profile=str(path))[0].key_codec, TransformCoder)
+    with pytest.raises(ValueError, match="no configuration within 2.0 bits"):
+        tq.make_prompt_cache(model, bits=2.0)
+
+
+def test_a_profile_for_another_model_is_refused(profile):
+    other = tiny_model("llama", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match="the profile is for"):
+        cal.profile_codecs(other, profile, 4.25)
+
+
+def test_damaged_profiles_are_refused(profile, tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text("{not json")
+    with pytest.raises(ValueError, match="invalid JSON"):
+        cal.load_profile(p)
+    p.write_text(json.dumps({**profile, "format": "other"}))
+    with pytest.raises(ValueError, match="not a turboquant profile"):
+        cal.load_profile(p)
+    bad = json.loads(json.dumps(profile))
+    bad["calibration"]["ids"][3] += 1
+    p.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="checksum"):
+        cal.load_profile(p)
+    with pytest.raises(FileNotFoundError):
+        cal.load_profile(tmp_path / "missing.json")
+
+
+def test_calibrated_configurations_need_another_evaluation_text():
+    from turboquant.suite import evaluate
+    with pytest.raises(ValueError, match="evaluate them on another corpus"):
+        evaluate(None, None, ["calibrated 4.25"], corpus="wikipedia", calibration_corpus="wikipedia")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["calibrate", "--budgets", "abc"], "argument --budgets: invalid float value"),
+    (["calibrate", "--windows", "0"], "argument --windows: must be >= 1"),
+    (["calibrate", "--heldout", "100"], "argument --heldout: must be >= 512"),
+    (["calibrate", "--text", "/no/such/file.txt"], "argument --text: no file /no/such/file.txt"),
+    (["calibrate", "--corpus", "books"], "argument --corpus: invalid choice"),
+])
+def test_calibrate_cli_refuses_bad_arguments(argv, message, capsys):
+    from turboquant import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_calibrate_cli_refuses_bad_budgets_in_one_line(capsys):
+    from turboquant import cli
+    assert cli.main(["calibrate", "--model", "/no/such/model", "--budgets", "4"]) == 1
+    assert "error" in capsys.readouterr().err

@@ -1,0 +1,79 @@
+"""Calibrate a model: choose its calibrated cache per budget and write its profile
+(Chapter 10, ``turboquant calibrate``).
+
+What is fitted and how it is rebuilt lives in ``turboquant.calibrated`` (re-exported
+here); this module is the search: for each budget a few candidate configurations are
+fitted on the calibration windows and scored by perplexity on held-out tokens of the
+*calibration* text, and the best is recorded with its numbers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict
+from typing import Optional, Sequence
+
+from .calibrated import *  # noqa: F401,F403 - the public face of calibration
+from .calibrated import WINDOW, Choice, _bos, capture_statistics, fit_layers, signature
+from .calibrated import __all__ as _calibrated_all
+
+__all__ = ["candidates", "calibrate", *_calibrated_all]
+
+
+def candidates(budget: float, dim: int) -> list[Choice]:
+    """The configurations ``calibrate`` compares at a budget: equal K/V bits with and without
+    one outlier per vector, and half a bit moved from values to keys."""
+    out = [Choice(budget, budget, 1), Choice(budget, budget, 0), Choice(budget + 0.5, budget - 0.5, 1)]
+    return [c for c in out if 24 * c.outliers < round(min(c.key_bits, c.value_bits) * dim)
+            and max(c.key_bits, c.value_bits) <= 8]
+
+
+def _ppl_factory(model, keys, values, sink):
+    from .prompt_cache import make_prompt_cache
+    return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values, sink_tokens=sink,
+                                     warn_rotating=False)
+
+
+def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: str = "wikipedia",
+              text: Optional[str] = None, windows: int = 8, heldout: int = 2048,
+              progress: bool = True) -> dict:
+    """A profile: for each budget (bits per coordinate), the candidate with the lowest
+    perplexity on ``heldout`` tokens of the calibration text that follow the ``windows``
+    calibration windows. ``text`` replaces the corpus (``corpus`` then names it)."""
+    from .data import load_text
+    from .eval import encode_text, perplexity
+    from .memory import geometry_from_model
+    budgets = sorted({float(b) for b in budgets})
+    if not budgets or any(not math.isfinite(b) or b <= 0 or b > 8 for b in budgets):
+        raise ValueError(f"budgets must be bits per coordinate in (0, 8], got {budgets}")
+    dim = geometry_from_model(model).head_dim
+    bos = _bos(tokenizer)
+    source = text if text is not None else load_text(corpus)
+    ids = encode_text(tokenizer, source, windows * WINDOW + heldout)
+    cal, held = ids[:windows * WINDOW], ids[windows * WINDOW:]
+    t0 = time.time()
+    stats = capture_statistics(model, cal, bos=bos, progress=progress)
+    ref = perplexity(model, held, None, bos=bos)["ppl"]
+    entries = []
+    for budget in budgets:
+        tried = []
+        for choice in candidates(budget, dim):
+            keys, values = fit_layers(stats, choice.key_bits, choice.value_bits, choice.outliers)
+            r = perplexity(model, held, _ppl_factory(model, keys, values, choice.sink_tokens), bos=bos,
+                           progress=progress)
+            tried.append({"choice": asdict(choice), "ppl": r["ppl"], "ppl_increase": r["ppl"] / ref - 1,
+                          "bits": choice.bits(dim), "measured_bits": r["bits"]})
+            if progress:
+                print(f"  {budget:g} bits: {choice} → perplexity {r['ppl']:.3f} "
+                      f"({100 * (r['ppl'] / ref - 1):+.2f} %)", flush=True)
+        best = min(tried, key=lambda t: t["ppl"])
+        entries.append({"budget": budget, **best, "candidates": tried})
+    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": name, "signature": signature(model),
+            "calibration": {"corpus": corpus, "windows": windows, "window": WINDOW, "bos": bos, "sink": 1,
+                            "ids": cal, "sha256": hashlib.sha256(json.dumps(cal).encode()).hexdigest()},
+            "heldout": {"tokens": len(held), "fp32_ppl": ref},
+            "budgets": entries, "seconds": time.time() - t0}
+
+

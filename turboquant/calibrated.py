@@ -1,0 +1,220 @@
+"""Calibrated codecs and model profiles (Chapter 10): what ``make_prompt_cache(model, bits=…)``
+needs to rebuild a model's calibrated cache. The search that writes a profile is
+``turboquant.calibrate`` (``turboquant calibrate``).
+
+A profile records, for one model, which calibrated cache to use at each memory budget and
+what it measured. It is made in three steps, on text that is never the evaluation text:
+
+1. ``capture_statistics``: run the model on calibration windows (512 tokens each, as the
+   evaluation scores them) and keep every layer's keys, values and the second moment of
+   the queries that read each kv head — without the first token of each window (the
+   attention sink: it is kept exactly by the cache and is far from the other keys);
+2. ``fit_layers``: per layer, a ``TransformCoder`` for keys (Karhunen–Loève basis under
+   the query metric, so the error measured is the score error) and one for values, at
+   the given bits, optionally with exact outliers;
+3. ``calibrate``: for each budget, a few candidate splits (keys/values bits, outliers) are
+   scored by perplexity on held-out tokens of the *calibration* corpus, and the best one is
+   recorded with its numbers.
+
+The profile stores the calibration token ids, so ``profile_codecs(model, profile, bits)``
+rebuilds the same codecs from the model alone (≈ 10–30 s once per process; memoised).
+Profiles for the installed models ship in ``turboquant/profiles``; ``turboquant calibrate``
+writes new ones under ``$TURBOQUANT_CACHE/profiles``, where ``find_profile`` looks first.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+__all__ = ["Choice", "capture_statistics", "fit_layers", "signature",
+           "profile_path", "shipped_profiles", "find_profile", "load_profile", "save_profile",
+           "profile_entry", "profile_codecs", "PROFILE_FORMAT", "PROFILE_VERSION", "WINDOW"]
+
+PROFILE_FORMAT = "turboquant-profile"
+PROFILE_VERSION = 1
+WINDOW = 512
+SHIPPED = Path(__file__).with_name("profiles")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A calibrated configuration: transform-coder bits per coordinate for keys and values
+    (side information included: there is none per vector), exact outliers per vector
+    (24 bits each, inside those bits) and exact leading tokens."""
+
+    key_bits: float
+    value_bits: float
+    outliers: int = 1
+    sink_tokens: int = 1
+
+    def bits(self, dim: int) -> float:
+        """Average over K and V of what each vector stores, per coordinate."""
+        return (round(self.key_bits * dim) + round(self.value_bits * dim)) / (2 * dim)
+
+
+def _bos(tokenizer) -> Optional[int]:
+    from .eval import bos_id
+    return bos_id(tokenizer)
+
+
+def signature(model) -> dict:
+    """What identifies a model for a profile: type, layers, kv heads, head size, vocabulary."""
+    from .memory import geometry_from_model
+    g = geometry_from_model(model)
+    args = getattr(model, "args", None)
+    return {"model_type": getattr(args, "model_type", type(model).__module__.split(".")[-1]),
+            "layers": len(model.layers), "kv_heads": g.n_kv_heads, "head_dim": g.head_dim,
+            "vocab_size": int(getattr(args, "vocab_size", 0) or 0)}
+
+
+def capture_statistics(model, ids: Sequence[int], bos: Optional[int] = None, window: int = WINDOW,
+                       sink: int = 1, progress: bool = False) -> list[dict]:
+    """Per layer {"k", "v": (H, N, D) float64, "metric": (H, D, D)} from the model run on
+    consecutive windows of ``ids`` (each preceded by ``bos`` if given), the first ``sink``
+    positions of each window (and the BOS) left out. "metric" is E[q qᵀ] over the query
+    heads that read each kv head (grouped-query attention)."""
+    from .eval import _progress, capture_qkv
+    ids = [int(i) for i in ids]
+    n_win = len(ids) // window
+    if n_win < 1:
+        raise ValueError(f"calibration needs at least one window of {window} tokens, got {len(ids)}")
+    head = [] if bos is None else [int(bos)]
+    skip = len(head) + sink
+    acc = None
+    for w in _progress(range(n_win), n_win, "capture", progress):
+        cap = capture_qkv(model, head + ids[w * window:(w + 1) * window])
+        part = [{n: np.array(layer[n][0, :, skip:]).astype(np.float64) for n in "qkv"} for layer in cap]
+        acc = [[p] for p in part] if acc is None else [a + [p] for a, p in zip(acc, part)]
+    stats = []
+    for parts in acc:
+        k = np.concatenate([p["k"] for p in parts], axis=1)
+        v = np.concatenate([p["v"] for p in parts], axis=1)
+        q = np.concatenate([p["q"] for p in parts], axis=1)
+        H, g = k.shape[0], q.shape[0] // k.shape[0]
+        metric = np.stack([np.einsum("gnd,gne->de", q[h * g:(h + 1) * g], q[h * g:(h + 1) * g])
+                           / (g * q.shape[1]) for h in range(H)])
+        stats.append({"k": k, "v": v, "metric": metric})
+    return stats
+
+
+def fit_layers(stats: list[dict], key_bits: float, value_bits: float, outliers: int = 1,
+               transform: str = "klt", query_metric: bool = True, uniform: bool = False,
+               progress: bool = False) -> tuple[list, list]:
+    """(key codecs, value codecs), one ``TransformCoder`` per layer of ``stats``."""
+    from .codecs.transform import TransformCoder
+    from .eval import _progress
+    keys, values = [], []
+    for s in _progress(stats, len(stats), "fit", progress):
+        metric = s["metric"] if query_metric and transform == "klt" else None
+        keys.append(TransformCoder.calibrate(s["k"], key_bits, metric=metric, transform=transform,
+                                             outliers=outliers, uniform=uniform))
+        values.append(TransformCoder.calibrate(s["v"], value_bits, transform=transform, outliers=outliers,
+                                               uniform=uniform))
+    return keys, values
+
+
+# ------------------------------------------------------------------ files
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(name)).name) or "model"
+
+
+def profile_path(name: str) -> Path:
+    """Where ``turboquant calibrate`` writes the profile of ``name``: $TURBOQUANT_CACHE/profiles."""
+    from .models import cache_root
+    return cache_root() / "profiles" / f"{_slug(name)}.json"
+
+
+def shipped_profiles() -> list[Path]:
+    return sorted(SHIPPED.glob("*.json"))
+
+
+def save_profile(profile: dict, path) -> Path:
+    """Write atomically (a half-written profile never replaces a good one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(profile))
+    tmp.replace(path)
+    return path
+
+
+def load_profile(path) -> dict:
+    """Read and validate a profile; ``ValueError`` naming what is wrong."""
+    path = Path(path)
+    try:
+        p = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no profile at {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a profile (invalid JSON: {e})") from None
+    if not isinstance(p, dict) or p.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"{path} is not a turboquant profile (format {p.get('format') if isinstance(p, dict) else None!r})")
+    if p.get("version") != PROFILE_VERSION:
+        raise ValueError(f"{path}: profile version {p.get('version')!r}, this turboquant reads {PROFILE_VERSION}")
+    cal = p.get("calibration", {})
+    ids = cal.get("ids")
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids) or len(ids) < WINDOW:
+        raise ValueError(f"{path}: calibration ids missing or malformed")
+    if hashlib.sha256(json.dumps(ids).encode()).hexdigest() != cal.get("sha256"):
+        raise ValueError(f"{path}: calibration ids do not match their checksum (damaged file?)")
+    for e in p.get("budgets", []):
+        c = e.get("choice", {})
+        if not all(isinstance(c.get(k), (int, float)) for k in ("key_bits", "value_bits", "outliers", "sink_tokens")):
+            raise ValueError(f"{path}: malformed budget entry {e.get('budget')!r}")
+    if not p.get("budgets"):
+        raise ValueError(f"{path}: no budgets")
+    return p
+
+
+def find_profile(model) -> Optional[dict]:
+    """The profile whose signature matches ``model``: the user's ($TURBOQUANT_CACHE/profiles)
+    first, then those shipped with the package; None if there is none."""
+    from .models import cache_root
+    sig = signature(model)
+    for path in sorted((cache_root() / "profiles").glob("*.json")) + shipped_profiles():
+        try:
+            p = load_profile(path)
+        except ValueError:
+            continue
+        if p.get("signature") == sig:
+            return p
+    return None
+
+
+def profile_entry(profile: dict, bits: float, dim: int) -> dict:
+    """The budget entry with the lowest measured perplexity among those within ``bits``."""
+    fits = [e for e in profile["budgets"] if Choice(**e["choice"]).bits(dim) <= bits + 1e-9]
+    if not fits:
+        lo = min(Choice(**e["choice"]).bits(dim) for e in profile["budgets"])
+        raise ValueError(f"the profile of {profile.get('model')} has no configuration within {bits} bits "
+                         f"per coordinate; the smallest is {lo:g}")
+    return min(fits, key=lambda e: (e["ppl"], Choice(**e["choice"]).bits(dim)))
+
+
+_MEMO: dict = {}
+
+
+def profile_codecs(model, profile: dict, bits: float, progress: bool = False):
+    """(key codecs per layer, value codecs per layer, sink tokens, entry) for the best
+    configuration of ``profile`` within ``bits``; refitted from the profile's calibration
+    ids on ``model`` (memoised per model and entry)."""
+    from .memory import geometry_from_model
+    if profile.get("signature") != signature(model):
+        raise ValueError(f"the profile is for {profile.get('signature')}, the model is {signature(model)}")
+    entry = profile_entry(profile, bits, geometry_from_model(model).head_dim)
+    choice = Choice(**entry["choice"])
+    key = (id(model), profile["calibration"]["sha256"], asdict(choice))
+    key = json.dumps(key[1:]) + str(key[0])
+    if key not in _MEMO:
+        cal = profile["calibration"]
+        stats = capture_statistics(model, cal["ids"], bos=cal.get("bos"), window=cal.get("window", WINDOW),
+                                   sink=cal.get("sink", 1), progress=progress)
+        _MEMO.clear()                           # one model's codecs at a time: bounded memory
+        _MEMO[key] = fit_layers(stats, choice.key_bits, choice.value_bits, choice.outliers, progress=progress)
+    keys, values = _MEMO[key]
+    return keys, values, choice.sink_tokens, entry

@@ -1,0 +1,64 @@
+"""Chapter 10 figures: key spectra, bit allocations, and the frontier of a recorded run."""
+from __future__ import annotations
+
+import numpy as np
+
+from .style import COLORS, figure
+
+
+def plot_spectra(spectra: dict, title: str = ""):
+    """Eigenvalues of the key covariance, largest first, normalised by their mean (what a
+    random rotation gives every coordinate: the dashed line). ``spectra`` maps a label to
+    a 1-D array of eigenvalues."""
+    fig, ax = figure(width=6.4, height=3.6)
+    for i, (label, lam) in enumerate(spectra.items()):
+        lam = np.sort(np.asarray(lam))[::-1]
+        ax.plot(np.arange(1, len(lam) + 1), lam / lam.mean(), color=COLORS[i % len(COLORS)], label=label)
+    ax.axhline(1, c="k", lw=0.8, ls="--", label="after a random rotation")
+    ax.set_yscale("log")
+    ax.set_xlabel("KLT coordinate (largest variance first)")
+    ax.set_ylabel("variance / mean variance")
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_allocation(allocs: dict):
+    """Bits per transformed coordinate (reverse water-filling); ``allocs`` maps a label to
+    a list of D ints."""
+    fig, ax = figure(width=6.4, height=3.0)
+    for i, (label, a) in enumerate(allocs.items()):
+        ax.step(np.arange(len(a)), a, where="mid", color=COLORS[i % len(COLORS)],
+                label=f"{label} (mean {np.mean(a):.3g})")
+    ax.set_xlabel("transformed coordinate")
+    ax.set_ylabel("bits")
+    ax.legend(fontsize=7, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_budget_choice(rows, budget: float = 4.25, title: str = ""):
+    """The frontier of a recorded run (``suite.frontier_rows``) with the configurations
+    within ``budget`` bits highlighted and the best of them marked."""
+    fig, ax = figure(width=7.0, height=4.0)
+    pts = [(r[0], r[1], r[2], max(r[4], 0.01)) for r in rows if r[1] != "reference"]
+    inside = [p for p in pts if p[2] <= budget + 1e-9]
+    out = [p for p in pts if p[2] > budget + 1e-9]
+    if out:
+        ax.scatter([p[2] for p in out], [p[3] for p in out], s=18, color="#bbbbbb", label="over budget")
+    if inside:
+        ax.scatter([p[2] for p in inside], [p[3] for p in inside], s=24, color=COLORS[0], label="within budget")
+        best = min(inside, key=lambda p: p[3])
+        ax.scatter([best[2]], [best[3]], s=120, facecolors="none", edgecolors=COLORS[1], lw=2)
+        ax.annotate(f"best: {best[0]} ({best[3]:+.2f} %)", (best[2], best[3]), textcoords="offset points",
+                    xytext=(8, -14), fontsize=8, color=COLORS[1])
+    ax.axvline(budget, c="k", lw=0.8, ls="--")
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per coordinate (side information included)")
+    ax.set_ylabel("perplexity increase (%)")
+    ax.set_title(title or f"budget {budget:g} bits", fontsize=10)
+    ax.legend(fontsize=7, frameon=False, loc="upper right")
+    fig.tight_layout()
+    return fig
