@@ -34,6 +34,13 @@ def test_statistics_leave_out_the_sink_and_group_the_queries(model):
     m = s["metric"]
     assert m.shape == (2, 16, 16) and np.allclose(m, np.swapaxes(m, 1, 2))
     assert np.linalg.eigvalsh(m).min() > -1e-9
+    # kv head h is read by query heads 2h and 2h+1 (grouped-query attention: contiguous groups)
+    from turboquant.eval import capture_qkv
+    q = np.concatenate([np.array(capture_qkv(model, ids[w * 512:(w + 1) * 512])[0]["q"][0, :, 1:])
+                        for w in range(2)], axis=1).astype(np.float64)             # (4, N, 16)
+    for h in range(2):
+        g = q[2 * h:2 * h + 2].reshape(-1, 16)
+        assert np.allclose(m[h], g.T @ g / len(g), rtol=1e-4, atol=1e-8)
 
 
 def test_a_profile_records_the_best_candidate_within_each_budget(profile):
@@ -63,6 +70,17 @@ def test_make_prompt_cache_uses_the_profile(model, profile, tmp_path, monkeypatc
     assert isinstance(tq.make_prompt_cache(model, bits=4.25, profile=str(path))[0].key_codec, TransformCoder)
     with pytest.raises(ValueError, match="no configuration within 2.0 bits"):
         tq.make_prompt_cache(model, bits=2.0)
+    with pytest.raises(TypeError, match="profile must be"):
+        tq.make_prompt_cache(model, bits=4.25, profile=5)
+    with pytest.raises(ValueError, match="give bits too"):
+        tq.make_prompt_cache(model, profile=str(path))
+    with pytest.raises(ValueError, match="positive number"):
+        tq.make_prompt_cache(model, bits=float("nan"))
+    # the memo: the same codec objects until clear_memo
+    again = tq.make_prompt_cache(model, bits=4.25)
+    assert again[0].key_codec is cache[0].key_codec
+    cal.clear_memo()
+    assert tq.make_prompt_cache(model, bits=4.25)[0].key_codec is not cache[0].key_codec
 
 
 def test_a_profile_for_another_model_is_refused(profile):
@@ -86,6 +104,11 @@ def test_damaged_profiles_are_refused(profile, tmp_path):
         cal.load_profile(p)
     with pytest.raises(FileNotFoundError):
         cal.load_profile(tmp_path / "missing.json")
+    bad = json.loads(json.dumps(profile))
+    bad["budgets"][0]["choice"]["extra"] = 1
+    p.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="malformed budget entry"):
+        cal.load_profile(p)
 
 
 def test_calibrated_configurations_need_another_evaluation_text():
@@ -110,7 +133,21 @@ def test_calibrate_cli_refuses_bad_arguments(argv, message, capsys):
     assert message in err and "Traceback" not in err
 
 
-def test_calibrate_cli_refuses_bad_budgets_in_one_line(capsys):
+def test_calibrate_cli_refuses_a_budget_out_of_range_before_loading_a_model(capsys):
+    from turboquant import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(["calibrate", "--model", "/no/such/model", "--budgets", "4", "9"])
+    assert e.value.code == 2 and "argument --budgets: bits per coordinate must be in (0, 8], got 9" \
+        in capsys.readouterr().err
+
+
+def test_calibrate_cli_reports_a_missing_model_in_one_line(capsys):
     from turboquant import cli
     assert cli.main(["calibrate", "--model", "/no/such/model", "--budgets", "4"]) == 1
-    assert "error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "turboquant calibrate: error" in err and "/no/such/model" in err and "Traceback" not in err
+
+
+def test_a_budget_without_candidates_is_refused(model):
+    with pytest.raises(ValueError, match="no calibrated configuration fits 0.05 bits"):
+        cal.calibrate(model, ByteTokenizer(), [0.05], name="t", text=TEXT, windows=1, heldout=512, progress=False)

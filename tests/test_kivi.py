@@ -64,6 +64,11 @@ def test_bad_settings_are_refused(kwargs, message):
         KIVICache(**kwargs)
 
 
+def test_values_beyond_float16_are_refused():
+    with pytest.raises(ValueError, match="float16"):
+        KIVICache(4).update_and_fetch(mx.full((1, 1, 2, 64), 1e6), mx.zeros((1, 1, 2, 64)))
+
+
 def test_restoring_a_state_is_refused_clearly():
     c = KIVICache(4)
     feed(c, [40])

@@ -139,3 +139,12 @@ def test_bitaxon_ring_on_real_keys(smol, wiki):
     keys_only = ring_fidelity(cap, lambda d: TurboQuantMSE(d, 3), 128, 64, value_codec=lambda d: Identity(d))
     values_only = ring_fidelity(cap, lambda d: Identity(d), 128, 64, value_codec=lambda d: TurboQuantMSE(d, 3))
     assert np.mean([f["cos_mean"] for f in keys_only]) < np.mean([f["cos_mean"] for f in values_only])
+
+
+def test_needle_values_are_distinct_and_extend_chapter_9s():
+    from turboquant.eval import NEEDLE_VALUES, needle_values
+    v = needle_values(21)
+    assert len(set(v)) == 21 and v[:4] == NEEDLE_VALUES and all(len(x) == 4 and x.isdigit() for x in v)
+    assert needle_values(21) == v and needle_values(2) == NEEDLE_VALUES[:2]
+    with pytest.raises(ValueError, match="int ≥ 1"):
+        needle_values(0)

@@ -38,6 +38,9 @@ def test_allocation_follows_the_variances_and_spends_every_bit():
     assert allocate_bits([1.0] * 4, 8) == [2, 2, 2, 2]
     with pytest.raises(ValueError, match="cannot give"):
         allocate_bits([1.0], 9)
+    z = allocate_bits([0.0, 0.0, 1.0], 17)          # zero variances: bits left over go there last
+    assert sum(z) == 17 and max(z) == 8 and z[2] == 8
+    assert sorted(allocate_bits([0.0, 0.0], 10)) == [2, 8]
     assert gaussian_distortion(0) == 1.0 and math.isclose(gaussian_distortion(1), 1 - 2 / math.pi, rel_tol=1e-6)
 
 
@@ -163,3 +166,11 @@ def test_reverse_water_filling():
     assert math.isclose(flat, 8 * 2.0 * 2 ** -6, rel_tol=1e-9)
     with pytest.raises(ValueError, match="variances"):
         reverse_water_filling([1.0, -1.0], 2)
+    _, wide = reverse_water_filling([1.0] * 256, 5.0)              # 1280 bits: no underflow
+    assert math.isclose(wide, 256 * 2 ** -10, rel_tol=1e-9)
+
+
+def test_outliers_beyond_fp16_are_refused():
+    c = TransformCoder.calibrate(anisotropic(heads=1), 3.0, outliers=1)
+    with pytest.raises(ValueError, match="fp16's range"):
+        c.encode(mx.full((1, 4, D), 1e6))

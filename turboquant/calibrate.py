@@ -26,8 +26,8 @@ def candidates(budget: float, dim: int) -> list[Choice]:
     """The configurations ``calibrate`` compares at a budget: equal K/V bits with and without
     one outlier per vector, and half a bit moved from values to keys."""
     out = [Choice(budget, budget, 1), Choice(budget, budget, 0), Choice(budget + 0.5, budget - 0.5, 1)]
-    return [c for c in out if 24 * c.outliers < round(min(c.key_bits, c.value_bits) * dim)
-            and max(c.key_bits, c.value_bits) <= 8]
+    return [c for c in out if 24 * c.outliers < int(min(c.key_bits, c.value_bits) * dim + 1e-9)
+            and max(c.key_bits, c.value_bits) <= 8 and c.bits(dim) <= budget + 1e-9]
 
 
 def _ppl_factory(model, keys, values, sink):
@@ -58,8 +58,10 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
     ref = perplexity(model, held, None, bos=bos)["ppl"]
     entries = []
     for budget in budgets:
-        tried = []
-        for choice in candidates(budget, dim):
+        tried, cands = [], candidates(budget, dim)
+        if not cands:
+            raise ValueError(f"no calibrated configuration fits {budget} bits per coordinate at head size {dim}")
+        for choice in cands:
             keys, values = fit_layers(stats, choice.key_bits, choice.value_bits, choice.outliers)
             r = perplexity(model, held, _ppl_factory(model, keys, values, choice.sink_tokens), bos=bos,
                            progress=progress)

@@ -33,7 +33,7 @@ import numpy as np
 
 __all__ = ["Choice", "capture_statistics", "fit_layers", "signature",
            "profile_path", "shipped_profiles", "find_profile", "load_profile", "save_profile",
-           "profile_entry", "profile_codecs", "PROFILE_FORMAT", "PROFILE_VERSION", "WINDOW"]
+           "profile_entry", "profile_codecs", "clear_memo", "PROFILE_FORMAT", "PROFILE_VERSION", "WINDOW"]
 
 PROFILE_FORMAT = "turboquant-profile"
 PROFILE_VERSION = 1
@@ -53,8 +53,10 @@ class Choice:
     sink_tokens: int = 1
 
     def bits(self, dim: int) -> float:
-        """Average over K and V of what each vector stores, per coordinate."""
-        return (round(self.key_bits * dim) + round(self.value_bits * dim)) / (2 * dim)
+        """Average over K and V of what each vector stores, per coordinate (⌊bits·D⌋ bits
+        per vector, as ``TransformCoder.calibrate`` spends them)."""
+        per = lambda b: int(np.floor(b * dim + 1e-9))
+        return (per(self.key_bits) + per(self.value_bits)) / (2 * dim)
 
 
 def _bos(tokenizer) -> Optional[int]:
@@ -162,12 +164,17 @@ def load_profile(path) -> dict:
         raise ValueError(f"{path}: calibration ids missing or malformed")
     if hashlib.sha256(json.dumps(ids).encode()).hexdigest() != cal.get("sha256"):
         raise ValueError(f"{path}: calibration ids do not match their checksum (damaged file?)")
-    for e in p.get("budgets", []):
-        c = e.get("choice", {})
-        if not all(isinstance(c.get(k), (int, float)) for k in ("key_bits", "value_bits", "outliers", "sink_tokens")):
-            raise ValueError(f"{path}: malformed budget entry {e.get('budget')!r}")
-    if not p.get("budgets"):
+    if not isinstance(p.get("budgets"), list) or not p["budgets"]:
         raise ValueError(f"{path}: no budgets")
+    fields = {"key_bits": (int, float), "value_bits": (int, float), "outliers": (int,), "sink_tokens": (int,)}
+    for e in p["budgets"]:
+        c = e.get("choice") if isinstance(e, dict) else None
+        if not isinstance(c, dict) or set(c) != set(fields) or any(
+                isinstance(c[k], bool) or not isinstance(c[k], t) or c[k] < 0 for k, t in fields.items()) \
+                or not isinstance(e.get("ppl"), (int, float)):
+            raise ValueError(f"{path}: malformed budget entry {e!r:.200}")
+    if not isinstance(p.get("signature"), dict):
+        raise ValueError(f"{path}: no model signature")
     return p
 
 
@@ -196,25 +203,39 @@ def profile_entry(profile: dict, bits: float, dim: int) -> dict:
     return min(fits, key=lambda e: (e["ppl"], Choice(**e["choice"]).bits(dim)))
 
 
-_MEMO: dict = {}
+_MEMO: dict = {"model": None, "stats": {}, "codecs": {}}
+
+
+def clear_memo() -> None:
+    """Forget the memoised statistics and codecs (e.g. after changing a model's weights in
+    place: the memo knows the model object, not its weights)."""
+    _MEMO.update(model=None, stats={}, codecs={})
 
 
 def profile_codecs(model, profile: dict, bits: float, progress: bool = False):
     """(key codecs per layer, value codecs per layer, sink tokens, entry) for the best
-    configuration of ``profile`` within ``bits``; refitted from the profile's calibration
-    ids on ``model`` (memoised per model and entry)."""
+    configuration of ``profile`` within ``bits``, fitted on ``model``'s own activations on
+    the profile's calibration ids: a profile carries choices and token ids, never codecs.
+    Statistics and codecs are memoised for one model object at a time (``clear_memo``)."""
+    import weakref
     from .memory import geometry_from_model
     if profile.get("signature") != signature(model):
         raise ValueError(f"the profile is for {profile.get('signature')}, the model is {signature(model)}")
     entry = profile_entry(profile, bits, geometry_from_model(model).head_dim)
     choice = Choice(**entry["choice"])
-    key = (id(model), profile["calibration"]["sha256"], asdict(choice))
-    key = json.dumps(key[1:]) + str(key[0])
-    if key not in _MEMO:
-        cal = profile["calibration"]
-        stats = capture_statistics(model, cal["ids"], bos=cal.get("bos"), window=cal.get("window", WINDOW),
-                                   sink=cal.get("sink", 1), progress=progress)
-        _MEMO.clear()                           # one model's codecs at a time: bounded memory
-        _MEMO[key] = fit_layers(stats, choice.key_bits, choice.value_bits, choice.outliers, progress=progress)
-    keys, values = _MEMO[key]
+    owner = _MEMO["model"]() if _MEMO["model"] is not None else None
+    if owner is not model:                      # another model (or a reused id): start afresh
+        clear_memo()
+        _MEMO["model"] = weakref.ref(model)
+    cal = profile["calibration"]
+    skey = json.dumps({k: cal.get(k) for k in ("sha256", "bos", "window", "sink")}, sort_keys=True)
+    if skey not in _MEMO["stats"]:
+        _MEMO["stats"][skey] = capture_statistics(model, cal["ids"], bos=cal.get("bos"),
+                                                  window=cal.get("window", WINDOW), sink=cal.get("sink", 1),
+                                                  progress=progress)
+    ckey = skey + json.dumps(asdict(choice), sort_keys=True)
+    if ckey not in _MEMO["codecs"]:
+        _MEMO["codecs"][ckey] = fit_layers(_MEMO["stats"][skey], choice.key_bits, choice.value_bits,
+                                           choice.outliers, progress=progress)
+    keys, values = _MEMO["codecs"][ckey]
     return keys, values, choice.sink_tokens, entry

@@ -139,6 +139,9 @@ def _cache_arguments(p) -> None:
 def _calibrate(args) -> int:
     from .calibrate import calibrate, profile_path, save_profile
     from .models import load
+    bad = [b for b in args.budgets if not 0 < b <= 8]
+    if bad:
+        args.parser.error(f"argument --budgets: bits per coordinate must be in (0, 8], got {bad[0]:g}")
     text = None
     if args.text is not None:
         path = Path(args.text)
@@ -182,7 +185,7 @@ def _eval(args) -> int:
                       agreement_tokens=args.agreement_tokens, fidelity_tokens=args.fidelity_tokens,
                       needle_contexts=args.needle_contexts, corpus=args.corpus, progress=not args.quiet,
                       model_name=f"{args.model} (float32)", calibration_corpus=args.calibration_corpus,
-                      compare=args.compare)
+                      compare=args.compare, needle_values=args.needle_values)
     print(f"{'configuration':32s} {'bits':>6} {'ppl':>9} {'Δppl %':>8}")
     for name, _, bits, ppl, inc in frontier_rows(result):
         print(f"{name:32s} {bits:>6.3g} {ppl:>9.3f} {inc:>+8.2f}")
@@ -294,9 +297,11 @@ def main(argv=None) -> int:
     e.add_argument("--agreement-tokens", type=_int_at_least(0), default=16, help="greedy tokens for top-1 agreement (0: skip)")
     e.add_argument("--fidelity-tokens", type=_int_at_least(0), default=512, help="tokens captured for per-layer fidelity (0: skip)")
     e.add_argument("--needle-contexts", type=_int_at_least(64), nargs="*", default=[], help="needle test context lengths")
+    e.add_argument("--needle-values", type=_int_at_least(1), default=4,
+                   help="secret codes per depth (three depths: trials per context = 3 × this)")
     e.add_argument("--corpus", choices=["wikipedia", "lee"], default="wikipedia", help="evaluation text")
-    e.add_argument("--calibration-corpus", choices=["wikipedia", "lee"], default="wikipedia",
-                   help="text the calibrated configurations are fitted on (must differ from --corpus)")
+    e.add_argument("--calibration-corpus", choices=["wikipedia", "lee"], default=None,
+                   help="text the calibrated configurations are fitted on (default: the other corpus)")
     e.add_argument("--compare", action="store_true",
                    help="also KL divergence from fp32 and top-1 agreement on every scored token")
     e.add_argument("--out", default=None, help="write the results as JSON here")

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from .attention import attention_fidelity, patch_attention
 
 __all__ = ["encode_text", "bos_id", "perplexity", "cache_bits", "capture_qkv", "layer_fidelity",
-           "needle_prompt", "needle_accuracy", "top1_agreement", "greedy_agreement", "ring_fidelity",
+           "needle_prompt", "needle_accuracy", "needle_values", "top1_agreement", "greedy_agreement", "ring_fidelity",
            "key_statistics"]
 
 if TYPE_CHECKING:
@@ -239,9 +239,26 @@ def needle_prompt(tokenizer, haystack_ids: Sequence[int], context: int, depth: f
     return hay[:at] + needle + hay[at:] + question
 
 
+NEEDLE_VALUES = ("4721", "8356", "1943", "6208")
+
+
+def needle_values(n: int) -> tuple[str, ...]:
+    """``n`` distinct 4-digit secret codes: the four of Chapter 9 first, then more drawn
+    with a fixed seed."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"the number of needle values must be an int ≥ 1, got {n!r}")
+    import random
+    out, rng = list(NEEDLE_VALUES[:n]), random.Random(0)
+    while len(out) < n:
+        v = str(rng.randrange(1000, 10000))
+        if v not in out:
+            out.append(v)
+    return tuple(out)
+
+
 def needle_accuracy(model, tokenizer, haystack_ids: Sequence[int], contexts: Sequence[int],
-                    depths: Sequence[float], make_cache: MakeCache = None, values: Sequence[str] = (
-                        "4721", "8356", "1943", "6208"), chunk: int = 256, max_tokens: int = 6,
+                    depths: Sequence[float], make_cache: MakeCache = None, values: Sequence[str] = NEEDLE_VALUES,
+                    chunk: int = 256, max_tokens: int = 6,
                     progress: bool = False) -> dict:
     """Greedy answer to the needle question for each context length × depth × value; a
     trial succeeds when the generated text contains the value. Returns {context: accuracy}

@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from .checks import check_int
+from .codecs.base import FP16_MAX
 
 __all__ = ["KIVICache"]
 
@@ -52,6 +53,7 @@ class KIVICache:
             raise ValueError(f"KIVICache supports bits in {_BITS} (mx.quantize), got {bits!r}")
         if group not in _GROUPS or value_group not in _GROUPS:
             raise ValueError(f"group and value_group must be in {_GROUPS}, got {group!r}, {value_group!r}")
+        value_group = check_int("value_group", value_group)
         self.n_bits, self.group, self.value_group = bits, group, value_group
         self.residual = check_int("residual", residual, 0)
         self.offset = 0
@@ -74,6 +76,9 @@ class KIVICache:
         if Dv % self.value_group:
             raise ValueError(f"value head size {Dv} is not a multiple of value_group={self.value_group}")
         self.dtype = keys.dtype
+        big = mx.maximum(mx.max(mx.abs(keys)), mx.max(mx.abs(values))).item()
+        if not big <= FP16_MAX:                        # also NaN
+            raise ValueError(f"keys/values reach {big:.4g}: KIVICache stores float16 (largest {FP16_MAX})")
         self.fk = _cat(self.fk, keys.astype(mx.float16), 2)
         self.fv = _cat(self.fv, values.astype(mx.float16), 2)
         self.offset += keys.shape[2]

@@ -60,8 +60,10 @@ def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, mod
     from .budget import codecs_for, pick
     if key_codec is not None or value_codec is not None or sink_tokens:
         raise ValueError("give either bits= or key_codec/value_codec/sink_tokens, not both")
-    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or bits != bits:
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)):
         raise TypeError(f"bits must be a number, got {bits!r}")
+    if bits != bits or bits <= 0:
+        raise ValueError(f"bits must be a positive number of bits per coordinate, got {bits!r}")
     if model is not None and profile is not False:
         from . import calibrated as calibrate
         prof = profile
@@ -126,6 +128,11 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     if max_kv_size is not None:
         max_kv_size = check_int("max_kv_size", max_kv_size, 1)
     fp_window, sink_tokens = check_int("fp_window", fp_window, 0), check_int("sink_tokens", sink_tokens, 0)
+    if profile is not None and profile is not False:
+        if isinstance(profile, bool) or not isinstance(profile, (dict, str, os.PathLike)):
+            raise TypeError(f"profile must be a profile dict, a path, None or False, got {profile!r}")
+        if bits is None:
+            raise ValueError("profile= chooses the configuration for bits=: give bits too")
     dim = _head_dim(model)
     if bits is not None:
         key_codec, value_codec, sink_tokens = _budget(bits, dim, key_codec, value_codec, sink_tokens,

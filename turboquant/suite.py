@@ -182,22 +182,35 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
              needle_contexts: Sequence[int] = (), needle_depths: Sequence[float] = (0.1, 0.5, 0.9),
              corpus: str = "wikipedia", progress: bool = True,
              model_name: str = "SmolLM2-135M-Instruct (GGUF Q4_1 → float32)",
-             calibration_corpus: str = "wikipedia", calibration_windows: int = 8,
-             compare: bool = False) -> dict:
+             calibration_corpus: Optional[str] = None, calibration_windows: int = 8,
+             compare: bool = False, needle_values: int = 4) -> dict:
     """Score each named configuration on the same tokens; returns a JSON-able dict:
     {"setup": …, "results": {name: {ppl, ppl_increase, bits, measured_bits, agreement,
     fidelity: [per-layer cos], needle: {context: accuracy}, kl, top1}}}.
 
     Calibrated configurations are fitted on ``calibration_windows`` windows of 512 tokens of
-    ``calibration_corpus``, which must differ from ``corpus``. ``compare`` adds the mean KL
-    divergence from fp32 and the teacher-forced top-1 agreement on every scored token."""
+    ``calibration_corpus`` (default: the other corpus), which must differ from ``corpus``;
+    profile configurations need a profile calibrated on another text than ``corpus``. ``compare`` adds the mean KL
+    divergence from fp32 and the teacher-forced top-1 agreement on every scored token.
+    The needle test runs ``needle_values`` secret codes at each depth (trials per context:
+    values × depths)."""
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configuration(s) {unknown}; known: {sorted(CONFIGS)}")
+    if calibration_corpus is None:
+        calibration_corpus = "lee" if corpus == "wikipedia" else "wikipedia"
     calibrated = [n for n in names if CONFIGS[n].needs_calibration]
     if calibrated and calibration_corpus == corpus:
         raise ValueError(f"{calibrated} are calibrated on {calibration_corpus!r}: evaluate them on another "
                          f"corpus (corpus={corpus!r})")
+    profiled = [n for n in names if CONFIGS[n].profile_bits is not None]
+    if profiled:
+        from .calibrated import find_profile
+        prof = find_profile(model)
+        if prof is None:
+            raise ValueError(f"{profiled} need a profile for this model: run `turboquant calibrate` first")
+        if prof["calibration"]["corpus"] == corpus:
+            raise ValueError(f"{profiled} use a profile calibrated on {corpus!r}: evaluate them on another corpus")
     text = load_text(corpus)
     ids = tqeval.encode_text(tokenizer, text, tokens)
     prompt = ids[:256]
@@ -233,7 +246,8 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
             fid = tqeval.layer_fidelity(captured, cfg.key, cfg.value or cfg.key, sink_tokens=cfg.sink_tokens)
             row["fidelity_cos"] = [f["cos_mean"] for f in fid]
         if needle_contexts:
-            n = tqeval.needle_accuracy(model, tokenizer, hay, needle_contexts, needle_depths, mk)
+            n = tqeval.needle_accuracy(model, tokenizer, hay, needle_contexts, needle_depths, mk,
+                                       values=tqeval.needle_values(needle_values))
             row["needle"] = {str(c): a for c, a in n["accuracy"].items()}
         row["seconds"] = time.time() - t0
         results[name] = row
@@ -246,6 +260,7 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
                       "tokens": tokens, "window": window, "chunk": chunk,
                       "agreement_tokens": agreement_tokens, "fidelity_tokens": fidelity_tokens,
                       "needle_contexts": list(needle_contexts), "needle_depths": list(needle_depths),
+                      "needle_values": needle_values,
                       "machine": platform.machine(), "mlx": mx.__version__,
                       "seconds": time.time() - start},
             "results": results}

@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..packing import pack, packed_bytes, unpack
-from .base import Code, Codec, check_input, check_int, register
+from .base import FP16_MAX, Code, Codec, check_input, check_int, register
 
 __all__ = ["TransformCoder", "gaussian_distortion", "allocate_bits", "lloyd_1d", "reverse_water_filling"]
 
@@ -60,10 +60,10 @@ def allocate_bits(variances: Sequence[float], total: int, max_bits: int = 8) -> 
     lam = np.asarray(variances, dtype=np.float64)
     if total < 0 or total > max_bits * len(lam):
         raise ValueError(f"cannot give {total} bits to {len(lam)} coordinates of at most {max_bits} bits")
-    gain = np.array([gaussian_distortion(b) - gaussian_distortion(b + 1) for b in range(max_bits)] + [-np.inf])
+    gain = np.array([gaussian_distortion(b) - gaussian_distortion(b + 1) for b in range(max_bits)] + [0.0])
     b = np.zeros(len(lam), dtype=int)
     for _ in range(total):
-        i = int(np.argmax(lam * gain[b]))
+        i = int(np.argmax(np.where(b < max_bits, lam * gain[b], -np.inf)))
         b[i] += 1
     return b.tolist()
 
@@ -85,7 +85,7 @@ def reverse_water_filling(variances: Sequence[float], bits: float) -> tuple[floa
 
     def rate(theta):
         return float(np.sum(np.maximum(0.0, 0.5 * np.log2(pos / theta))))
-    lo, hi = pos.max() * 2.0 ** (-2 * target - 2), pos.max()
+    lo, hi = pos.min() * 2.0 ** (-2 * target / pos.size), pos.max()   # rate(lo) ≥ target ≥ rate(hi)
     for _ in range(200):                         # bisection on log θ
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if rate(mid) > target else (lo, mid)
@@ -186,8 +186,8 @@ class TransformCoder(Codec):
                   uniform: bool = False, max_bits: int = 8, floor: float = 1e-3) -> "TransformCoder":
         """Fit on calibration vectors ``x`` (H, N, D) (numpy or mx).
 
-        ``bits``: average bits per coordinate including outliers (round(bits·D) bits per
-        vector; 24 per outlier); with ``uniform``, the integer bits of every coordinate,
+        ``bits``: average bits per coordinate including outliers (⌊bits·D⌋ bits per vector;
+        24 per outlier); with ``uniform``, the integer bits of every coordinate,
         outliers coming on top. ``metric`` (H, D, D) PSD or None (identity): the
         error measure (e.g. the queries' second moment for keys). ``transform``: "klt"
         (eigenvectors of the metric-weighted covariance) or "channels" (the channels
@@ -203,7 +203,7 @@ class TransformCoder(Codec):
         if not np.all(np.isfinite(x)):
             raise ValueError("calibration vectors contain NaN or Inf")
         H, N, D = x.shape
-        total = int(round(float(bits) * D)) - (0 if uniform else 24 * outliers)
+        total = int(math.floor(float(bits) * D + 1e-9)) - (0 if uniform else 24 * outliers)   # never above bits
         if total < 0 or total > max_bits * D:
             raise ValueError(f"bits={bits} leaves {total} bits per vector for D={D} with {outliers} outliers")
         if uniform and total % D:
@@ -288,7 +288,7 @@ class TransformCoder(Codec):
 
     def __eq__(self, other):                  # config() holds every parameter; compare arrays directly
         return isinstance(other, TransformCoder) and self.alloc == other.alloc and \
-            self.outliers == other.outliers and all(
+            self.outliers == other.outliers and self.kind == other.kind and all(
                 mx.array_equal(a, b).item() for a, b in zip(self._params(), other._params())) and \
             len(self.levels) == len(other.levels)
 
@@ -341,7 +341,11 @@ class TransformCoder(Codec):
             err = mx.abs(y - mx.concatenate(dec, axis=-1))
             oi = mx.argpartition(-err, self.outliers - 1, axis=-1)[..., :self.outliers]
             fields["oi"] = oi.astype(mx.uint8)
-            fields["ov"] = mx.take_along_axis(y, oi, axis=-1).astype(mx.float16)
+            ov = mx.take_along_axis(y, oi, axis=-1)
+            if mx.max(mx.abs(ov)).item() > FP16_MAX:
+                raise ValueError(f"an outlier of {mx.max(mx.abs(ov)).item():.4g} exceeds fp16's range "
+                                 f"({FP16_MAX}); outliers are stored in fp16: scale the input down")
+            fields["ov"] = ov.astype(mx.float16)
         return fields
 
     @staticmethod
