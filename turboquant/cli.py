@@ -157,8 +157,13 @@ def _calibrate(args) -> int:
         c = e["choice"]
         print(f"{e['budget']:>6g} {c['key_bits']:>5g} {c['value_bits']:>6g} {c['outliers']:>8d} {e['bits']:>6.3f} "
               f"{100 * e['ppl_increase']:>+36.2f}")
-    out = save_profile(prof, args.out or profile_path(name))
-    print(f"wrote {out}: make_prompt_cache(model, bits=…) now uses it for this model")
+    default = profile_path(name)
+    out = save_profile(prof, args.out or default)
+    if out.resolve().parent == default.resolve().parent:
+        print(f"wrote {out}: make_prompt_cache(model, bits=…) now uses it for this model")
+    else:
+        print(f"wrote {out}: use it with make_prompt_cache(model, bits=…, profile={str(out)!r}) "
+              f"(profiles in {default.parent} are found automatically)")
     return 0
 
 

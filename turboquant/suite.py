@@ -63,7 +63,7 @@ class Config:
             return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values,
                                              sink_tokens=self.sink_tokens, warn_rotating=False)
         if self.profile_bits is not None:
-            make_prompt_cache(model, bits=self.profile_bits)          # fit once, outside the timing
+            make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False)   # fit once, untimed
             return lambda: make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False)
         if self.key is None and self.mlx_bits is None:
             return None
