@@ -29,7 +29,7 @@ from .checks import check_int
 from .codecs.base import Codec
 from .codes import CodeBuffer, CodesView
 
-__all__ = ["CodeBuffer", "CodesView", "TurboQuantKVCache", "TurboQuantRotatingKVCache", "codes_mode",
+__all__ = ["CodeBuffer", "CodesView", "TurboQuantKVCache", "TurboQuantRotatingKVCache", "causal_mask", "codes_mode",
            "returning_codes"]
 
 # Set by turboquant.attention.codes_attention: caches then return CodesView, not K/V. A depth
@@ -51,6 +51,14 @@ def returning_codes():
 def _append(old: Optional[mx.array], new: mx.array) -> mx.array:
     """Concatenate along the token axis (2), ``old`` possibly None."""
     return new if old is None else mx.concatenate([old, new], axis=2)
+
+
+def causal_mask(N: int, offset: int, return_array: bool = False, window_size: Optional[int] = None):
+    """The mask of a plain (non-rotating) cache holding ``offset`` tokens for ``N`` new
+    queries, as mlx-lm's ``KVCache.make_mask`` gives it."""
+    if window_size is not None or return_array:
+        return create_causal_mask(N, offset, window_size=window_size)
+    return None if N == 1 else "causal"
 
 
 def _check_trim(n) -> int:
@@ -190,9 +198,7 @@ class TurboQuantKVCache:
         return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        if window_size is not None or return_array:
-            return create_causal_mask(N, self.offset, window_size=window_size)
-        return None if N == 1 else "causal"
+        return causal_mask(N, self.offset, return_array, window_size)
 
     @property
     def nbytes(self) -> int:

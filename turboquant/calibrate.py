@@ -8,15 +8,13 @@ fitted on the calibration windows and scored by perplexity on held-out tokens of
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 from dataclasses import asdict
 from typing import Optional, Sequence
 
 from .calibrated import *  # noqa: F401,F403 - the public face of calibration
-from .calibrated import WINDOW, Choice, _bos, capture_statistics, fit_layers, signature
+from .calibrated import WINDOW, Choice, _bos, capture_statistics, fit_layers, ids_digest, signature
 from .calibrated import __all__ as _calibrated_all
 
 __all__ = ["candidates", "calibrate", *_calibrated_all]
@@ -74,7 +72,7 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
         entries.append({"budget": budget, **best, "candidates": tried})
     return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": name, "signature": signature(model),
             "calibration": {"corpus": corpus, "windows": windows, "window": WINDOW, "bos": bos, "sink": 1,
-                            "ids": cal, "sha256": hashlib.sha256(json.dumps(cal).encode()).hexdigest()},
+                            "ids": cal, "sha256": ids_digest(cal)},
             "heldout": {"tokens": len(held), "fp32_ppl": ref},
             "budgets": entries, "seconds": time.time() - t0}
 

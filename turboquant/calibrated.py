@@ -33,7 +33,7 @@ import numpy as np
 
 __all__ = ["Choice", "capture_statistics", "fit_layers", "signature",
            "profile_path", "shipped_profiles", "find_profile", "load_profile", "save_profile",
-           "profile_entry", "profile_codecs", "clear_memo", "PROFILE_FORMAT", "PROFILE_VERSION", "WINDOW"]
+           "profile_entry", "profile_codecs", "clear_memo", "ids_digest", "PROFILE_FORMAT", "PROFILE_VERSION", "WINDOW"]
 
 PROFILE_FORMAT = "turboquant-profile"
 PROFILE_VERSION = 1
@@ -145,6 +145,11 @@ def save_profile(profile: dict, path) -> Path:
     return path
 
 
+def ids_digest(ids: Sequence[int]) -> str:
+    """SHA-256 of calibration token ids, as a profile records them."""
+    return hashlib.sha256(json.dumps([int(i) for i in ids]).encode()).hexdigest()
+
+
 def load_profile(path) -> dict:
     """Read and validate a profile; ``ValueError`` naming what is wrong."""
     path = Path(path)
@@ -162,7 +167,7 @@ def load_profile(path) -> dict:
     ids = cal.get("ids")
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids) or len(ids) < WINDOW:
         raise ValueError(f"{path}: calibration ids missing or malformed")
-    if hashlib.sha256(json.dumps(ids).encode()).hexdigest() != cal.get("sha256"):
+    if ids_digest(ids) != cal.get("sha256"):
         raise ValueError(f"{path}: calibration ids do not match their checksum (damaged file?)")
     if not isinstance(p.get("budgets"), list) or not p["budgets"]:
         raise ValueError(f"{path}: no budgets")

@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.base import create_causal_mask
 
+from .cache import causal_mask
 from .checks import check_int
 from .codecs.base import FP16_MAX
 
@@ -95,9 +95,7 @@ class KIVICache:
         return k.astype(self.dtype), v.astype(self.dtype)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        if window_size is not None or return_array:
-            return create_causal_mask(N, self.offset, window_size=window_size)
-        return None if N == 1 else "causal"
+        return causal_mask(N, self.offset, return_array, window_size)
 
     def size(self) -> int:
         return self.offset
