@@ -9,7 +9,7 @@ NOTEBOOKS := $(sort $(wildcard book/*.ipynb))
 export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 
-.PHONY: all book test test-unit test-notebooks test-book model lab clean distclean
+.PHONY: all book test test-unit test-notebooks test-book model lab gpu-check clean distclean
 
 all: test
 
@@ -64,6 +64,12 @@ test-book: $(STAMP)
 # machines run as root; it changes nothing elsewhere).
 lab: model
 	$(BIN)/jupyter lab --allow-root book/
+
+# On a machine with an NVIDIA GPU (or a Mac): install mlx's CUDA back-end if needed, run the
+# GPU kernel tests and the decode benchmark, write _build/gpu-check/gpu-check.json
+# (.ci/gpu-check says how to bring the CUDA wheel to a machine without network).
+gpu-check: $(STAMP)
+	PY=$(BIN)/python .ci/gpu-check
 
 clean:
 	rm -rf _build .pytest_cache

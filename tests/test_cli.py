@@ -1,3 +1,6 @@
+import json
+import math
+
 import pytest
 
 from turboquant import cli
@@ -34,6 +37,10 @@ def test_eval_lists_and_runs_a_small_comparison(tmp_path, capsys):
     (["memory", "--batch", "0"], "argument --batch: must be >= 1, got 0"),
     (["memory", "--context", "-1"], "argument --context: must be >= 1"),
     (["kernels", "--repeats", "0"], "argument --repeats: must be >= 1"),
+    (["bench"], "the following arguments are required: what"),
+    (["bench", "speed"], "argument what: invalid choice: 'speed'"),
+    (["bench", "decode", "--tokens", "0"], "argument --tokens: must be >= 1, got 0"),
+    (["bench", "generate", "--context", "x"], "argument --context: expected an integer"),
 ])
 def test_bad_arguments_give_a_usage_message_and_status_2(argv, message, capsys):
     import time
@@ -51,8 +58,17 @@ def test_help_lists_every_command(capsys):
         cli.main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for command in ("memory", "model", "eval", "kernels"):
+    for command in ("memory", "model", "eval", "kernels", "bench"):
         assert f"turboquant {command}" in out and f"\n    {command}" in out
+
+
+def test_bench_generate_refuses_bad_bits_before_loading(capsys):
+    assert cli.main(["bench", "generate", "--bits", "9"]) == 1
+    assert "bits must be an int in 1..8, got 9" in capsys.readouterr().err
+    assert cli.main(["bench", "decode", "--context", "100"]) == 1
+    assert "--context applies to `turboquant bench generate` only" in capsys.readouterr().err
+    assert cli.main(["bench", "generate", "--tokens", "64"]) == 1
+    assert "--tokens applies to `turboquant bench decode` only" in capsys.readouterr().err
 
 
 def test_model_command_checks_paris(capsys):
@@ -67,7 +83,21 @@ def test_kernels_command(capsys):
     assert "kernel back-end:" in out and "verified (cuda)" in out
     if emulate.compiler() is None:
         pytest.skip("no C++ compiler for the kernel emulation")
-    assert cli.main(["kernels", "--emulated", "--bench", "--tokens", "128", "--repeats", "1"]) == 0
+    assert cli.main(["kernels", "--emulated", "--bench", "--tokens", "128", "--repeats", "1", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "kernel back-end: cpp" in out and "self-check against the mx path: passed" in out
-    assert out.count("turboquant_mse 4.12b") == 1 and "fibquant" in out
+    assert "from codes (default)" in out and out.count("turboquant_mse") == 3 and out.count("fibquant") == 1
+
+
+def test_bench_decode_command(capsys, tmp_path):
+    out_file = tmp_path / "decode.json"
+    assert cli.main(["bench", "decode", "--tokens", "64", "200", "--repeats", "1", "--slow-up-to", "64",
+                     "--quiet", "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up over fp32 SDPA" in out and out.count("turboquant_mse") == 6
+    result = json.loads(out_file.read_text())
+    assert result["headers"][-1] == "from codes (default)" and len(result["rows"]) == 8
+    assert all(r[-1] > 0 for r in result["rows"])
+    slow = [r[5] for r in result["rows"]]                      # dequantize column: timed at T = 64 only
+    assert all(math.isfinite(v) for v in slow[:4]) and all(v is None for v in slow[4:])   # strict JSON: null
+    assert result["bandwidth_gb_s"] > 0

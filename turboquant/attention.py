@@ -141,6 +141,9 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     qf = (q.astype(mx.float32) * scale).reshape(B, Hk, R, Tq, D)
 
     kc, code, mu = keys.codec.attention_view(keys.code())
+    fused = _attend_fused(q.reshape(B, Hk, R, Tq, D), scale, kc, code, values, mask, keys.exact_spans())
+    if fused is not None:
+        return fused.reshape(B, H, Tq, D).astype(q.dtype)
     if hasattr(kc, "query_table"):
         scores = kc.query_table(kc.rotation.apply(qf)).scores(code) * _norms(code)
     else:
@@ -168,6 +171,27 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     if r:
         out = out + p[..., T - r:] @ _per_head(values.recent[..., values.recent.shape[2] - r:, :])
     return out.reshape(B, H, Tq, D).astype(q.dtype)
+
+
+def _attend_fused(q, scale, kc, kcode, values, mask, key_spans):
+    """Both passes in one kernel call, when a back-end offers it (the CPU kernels) and
+    nothing needs the general path: no mask (a decode step), no exact sink or recent
+    tokens, rotated-table codecs on both sides. A key mean μ shifts every score of a query
+    equally and leaves the softmax unchanged; a value mean μ adds μ·Σp = μ. None otherwise."""
+    from .codecs.table import accelerator
+    acc = accelerator()
+    if acc is None or mask is not None or key_spans != (0, 0) or values.exact_spans() != (0, 0) \
+            or not hasattr(acc, "attend") or not hasattr(kc, "query_table"):
+        return None
+    vc, vcode, vmu = values.codec.attention_view(values.code())
+    if not hasattr(vc, "weighted_sum"):
+        return None
+    out = acc.attend(kc, kcode, vc, vcode, q, scale)
+    if out is None:
+        return None
+    if vmu is not None:
+        out = out + (vmu[:, None, None, :] if vmu.ndim == 2 else vmu)
+    return out
 
 
 _PATCH_LOCK = threading.Lock()

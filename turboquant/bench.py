@@ -6,7 +6,8 @@ import time
 import mlx.core as mx
 
 __all__ = ["time_call", "encode_decode_seconds", "affine_seconds", "matmul_gflops",
-           "scoring_tokens_per_second", "blas_comparison"]
+           "scoring_tokens_per_second", "blas_comparison", "decode_attention_seconds", "decode_attention_rows",
+           "decode_codecs", "DECODE_HEADERS", "generation_tokens_per_second", "memory_bandwidth"]
 
 
 def time_call(fn, *args, repeats: int = 5, warmup: int = 1) -> float:
@@ -35,23 +36,23 @@ def affine_seconds(x: mx.array, bits: int, group_size: int = 64, repeats: int = 
 
 
 def decode_attention_seconds(T: int, codec, H: int = 8, D: int = 128, repeats: int = 5,
-                             seed: int = 0) -> dict:
+                             seed: int = 0, slow: bool = True) -> dict:
     """Median seconds of one decode step's attention (B = 1, one query, float32) over T
-    cached tokens, four ways measured in the same run:
+    cached tokens, measured in the same run:
 
-    ``sdpa_fp32``: mx.fast.scaled_dot_product_attention on full-precision K/V;
+    ``sdpa_fp32``: mx.fast.scaled_dot_product_attention on full-precision K/V (the baseline);
     ``mlx_lm_q4``: mlx-lm's QuantizedKVCache path (quantized matmuls, 4 bits, groups of 64);
-    ``dequantize``: decode this codec's K/V codes, then mx.fast SDPA;
-    ``from_codes``: ``attention_from_codes`` on the same codes (through the fused kernels
-    when a kernel back-end is active, ``turboquant.kernels``);
-    ``from_codes_mx``: the same with the kernels switched off — only when one is active.
+    ``from_codes``: ``attention_from_codes`` on this codec's K/V codes as the package runs it
+    by default (the active kernel back-end, ``turboquant.kernels``);
+    with ``slow``, also ``dequantize`` (decode the codes, then mx.fast SDPA) and
+    ``from_codes_mx`` (the same attention with the kernels switched off).
     """
     import math
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
     from .attention import attention_from_codes
     from .codes import CodeBuffer, CodesView
-    key = mx.random.key(seed)
-    k1, k2, k3 = mx.random.split(key, 3)
+    from . import kernels
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
     k = mx.random.normal((1, H, T, D), key=k1)
     v = mx.random.normal((1, H, T, D), key=k2)
     q = mx.random.normal((1, H, 1, D), key=k3)
@@ -60,40 +61,87 @@ def decode_attention_seconds(T: int, codec, H: int = 8, D: int = 128, repeats: i
     kv = CodesView(codec, CodeBuffer(codec.encode(k).arrays), mx.float32)
     vv = CodesView(codec, CodeBuffer(codec.encode(v).arrays), mx.float32)
     mx.eval(k, v, q, qk, qv, kv.buffer.fields, vv.buffer.fields)
-    from . import kernels
-    extra = {}
-    if kernels.active() is not None:
-        with kernels.use(None):
-            extra["from_codes_mx"] = time_call(lambda: attention_from_codes(q, kv, vv, scale=scale), repeats=repeats)
-    return extra | {
+    out = {
         "sdpa_fp32": time_call(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), repeats=repeats),
         "mlx_lm_q4": time_call(lambda: quantized_scaled_dot_product_attention(
             q, qk, qv, scale=scale, mask=None, group_size=64, bits=4), repeats=repeats),
-        "dequantize": time_call(lambda: mx.fast.scaled_dot_product_attention(
-            q, kv.dequantize(), vv.dequantize(), scale=scale), repeats=repeats),
         "from_codes": time_call(lambda: attention_from_codes(q, kv, vv, scale=scale), repeats=repeats),
     }
+    if slow:
+        out["dequantize"] = time_call(lambda: mx.fast.scaled_dot_product_attention(
+            q, kv.dequantize(), vv.dequantize(), scale=scale), repeats=repeats)
+        with kernels.use(None):
+            out["from_codes_mx"] = time_call(lambda: attention_from_codes(q, kv, vv, scale=scale), repeats=repeats)
+    return out
 
 
-DECODE_HEADERS = ["T", "codec", "fp32 SDPA ms", "mlx-lm q4 (x)", "dequantize (x)", "from codes, mx (x)",
-                  "from codes, kernels (x)"]
+DECODE_HEADERS = ["T", "codec", "bits", "fp32 SDPA ms", "mlx-lm q4", "dequantize + SDPA", "from codes, mx path",
+                  "from codes (default)"]
 
 
-def decode_attention_rows(tokens=(1024, 4096, 16384), repeats: int = 3) -> list[tuple]:
-    """``decode_attention_seconds`` for TurboQuant_mse 4 bits and FibQuant (k = 2, N = 256)
-    at each T, as rows for ``DECODE_HEADERS``: T, codec, SDPA ms, then ratios to SDPA; the
-    kernels column is NaN when no kernel back-end is active."""
+def decode_codecs(D: int = 128) -> list:
+    """The codecs ``turboquant bench decode`` times: TurboQuant_mse at 4, 3 and 2 bits and
+    FibQuant (k = 2, N = 256: 4 bits per coordinate)."""
     from .codecs import FibQuant, TurboQuantMSE
+    return [TurboQuantMSE(D, 4), TurboQuantMSE(D, 3), TurboQuantMSE(D, 2), FibQuant(D, 2, 256)]
+
+
+def decode_attention_rows(tokens=(1024, 4096, 16384), repeats: int = 3, codecs=None,
+                          slow_up_to: int = 16384, progress=None) -> list[tuple]:
+    """``decode_attention_seconds`` per T and codec (``decode_codecs`` by default), as rows
+    for ``DECODE_HEADERS``: T, codec, bits per coordinate, SDPA ms, then each method's
+    **speed-up over fp32 SDPA** (SDPA seconds / its seconds: > 1 is faster). The two slow
+    columns (dequantize, the mx path) are NaN above ``slow_up_to`` tokens."""
     rows = []
+    codecs = decode_codecs() if codecs is None else codecs
     for T in tokens:
-        for codec in (TurboQuantMSE(128, 4), FibQuant(128, 2, 256)):
-            r = decode_attention_seconds(T, codec, repeats=repeats)
+        for codec in codecs:
+            r = decode_attention_seconds(T, codec, repeats=repeats, slow=T <= slow_up_to)
             b = r["sdpa_fp32"]
-            fused = "from_codes_mx" in r
-            rows.append((T, f"{codec.name} {codec.bits_per_coordinate:.3g}b", b * 1e3, r["mlx_lm_q4"] / b,
-                         r["dequantize"] / b, r.get("from_codes_mx", r["from_codes"]) / b,
-                         r["from_codes"] / b if fused else float("nan")))
+            speed = lambda key: b / r[key] if key in r else float("nan")  # noqa: E731
+            rows.append((T, codec.name, codec.bits_per_coordinate, b * 1e3, speed("mlx_lm_q4"),
+                         speed("dequantize"), speed("from_codes_mx"), speed("from_codes")))
+            if progress is not None:
+                progress(rows[-1])
     return rows
+
+
+def generation_tokens_per_second(model, caches: dict, prompt: mx.array, new_tokens: int = 16,
+                                 chunk: int = 512, progress=None) -> dict:
+    """Greedy decoding speed after a long prompt, for several caches in the same run.
+
+    ``caches`` maps a label to a prompt cache (a list, one per layer; TurboQuant caches are
+    read through ``codes_attention``, as ``turboquant generate`` does). Each cache is
+    prefilled with ``prompt`` (1-D token ids) in chunks, not timed; then the caches take
+    their ``new_tokens`` single-token steps **interleaved** (one step of each in turn, each
+    evaluated before the next), so that a machine whose speed drifts during the run slows
+    all of them alike. Per label: tokens/s from the median step, and from the total."""
+    import time
+    from .attention import codes_attention
+    state = {}
+    with codes_attention(model):
+        for label, cache in caches.items():
+            if progress is not None:
+                progress(f"{label}: prefilling {prompt.shape[0]} tokens")
+            for s in range(0, prompt.shape[0], chunk):
+                logits = model(prompt[None, s:s + chunk], cache=cache)
+                mx.eval(logits, [c.state for c in cache])
+            y = mx.argmax(logits[0, -1])
+            mx.eval(y)
+            state[label] = [cache, y, []]
+        for _ in range(new_tokens):
+            for label, st in state.items():
+                t = time.perf_counter()
+                logits = model(st[1].reshape(1, 1), cache=st[0])
+                st[1] = mx.argmax(logits[0, -1])
+                mx.eval(st[1])
+                st[2].append(time.perf_counter() - t)
+    out = {}
+    for label, (_, _, steps) in state.items():
+        median = sorted(steps)[len(steps) // 2]
+        out[label] = {"tokens_per_s": 1 / median, "tokens_per_s_total": len(steps) / sum(steps),
+                      "median_step_s": median, "context": int(prompt.shape[0]), "new_tokens": new_tokens}
+    return out
 
 
 # ------------------------------------------------------------------ fast BLAS (Chapter 9)
@@ -109,6 +157,16 @@ if sys.argv[1] == "1":
     out["tokens_per_s"] = scoring_tokens_per_second(model, int(sys.argv[2]))
 print(json.dumps(out))
 """
+
+
+def memory_bandwidth(n: int = 8192, repeats: int = 5) -> float:
+    """GB/s of a float32 matrix–vector product with an (n × n) matrix (256 MB at n = 8192):
+    the matrix is read once, as decoding reads its weights, so bytes / seconds is the
+    bandwidth decode can use."""
+    w = mx.random.normal((n, n), key=mx.random.key(0))
+    x = mx.random.normal((1, n), key=mx.random.key(1))
+    mx.eval(w, x)
+    return w.nbytes / time_call(lambda a, b: a @ b, x, w, repeats=repeats) / 1e9
 
 
 def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:

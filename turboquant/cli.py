@@ -7,7 +7,8 @@ commands:
   turboquant chat      a conversation through one compressed cache
   turboquant calibrate fit calibrated caches for a model, write its profile (Chapter 10)
   turboquant eval      compare cache configurations on the default model (Chapters 9, 10)
-  turboquant kernels   which fused-kernel back-end is used, its self-check, a decode benchmark
+  turboquant kernels   which fused-kernel back-end is used, why, and its self-check
+  turboquant bench     decode speed: attention from codes vs fp32 (decode), tokens/s (generate)
 
 Run `turboquant COMMAND --help` for the options of each.
 """
@@ -204,7 +205,6 @@ def _eval(args) -> int:
 
 def _kernels(args) -> int:
     from . import kernels
-    from .bench import DECODE_HEADERS, decode_attention_rows
     if args.emulated:
         ctx = kernels.use(kernels.emulated())
     else:
@@ -212,23 +212,114 @@ def _kernels(args) -> int:
         ctx = contextlib.nullcontext()
     with ctx:
         name = kernels.backend_name()
-        print(f"kernel back-end: {name}")
+        print(f"kernel back-end: {name} ({kernels.why()})")
         for where, what in kernels.VERIFIED.items():
             print(f"  verified ({where}): {what}")
         if kernels.active() is None:
-            print("no kernel back-end in use: the mx path (mlx has no GPU here; --emulated or "
-                  "TURBOQUANT_KERNELS=cpp use the kernel bodies' C++ build)")
-            return 0
+            print("no kernel back-end in use: attention from codes runs on the mx path")
+            return _bench_decode(args) if args.bench else 0
         problem = kernels.self_check(kernels.active())
         print("self-check against the mx path:", "passed" if problem is None else f"FAILED: {problem}")
         if problem is not None:
             return 1
         if args.bench:
-            from .viz.style import table
-            rows = decode_attention_rows(args.tokens, args.repeats)
-            print(f"\ndecode attention, one query, B=1, H=8, D=128, float32 (median of {args.repeats})")
-            print(table(rows, DECODE_HEADERS, ".3g"))
+            return _bench_decode(args)
     return 0
+
+
+def _strict(v):
+    """NaN/inf (a cell not measured) → null, so the file is strict JSON."""
+    import math
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _strict(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_strict(x) for x in v]
+    return v
+
+
+def _write_json(path, result) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_strict(result), indent=1, allow_nan=False))
+    print(f"wrote {out}")
+
+
+def _bench_decode(args) -> int:
+    from . import kernels
+    from .bench import DECODE_HEADERS, decode_attention_rows
+    from .viz.style import table
+    print(f"decode attention, one query, B=1, H=8, D=128, float32, median of {args.repeats}; "
+          f"kernels: {kernels.backend_name()}")
+    print("speed-up over fp32 SDPA measured in the same run (> 1: faster; the two slow columns "
+          f"only up to {args.slow_up_to} tokens)", flush=True)
+    rows = decode_attention_rows(args.tokens, args.repeats, slow_up_to=args.slow_up_to,
+                                 progress=None if args.quiet else lambda r: print(f"  T={r[0]} {r[1]} {r[2]:.3g}b done",
+                                                                                  file=sys.stderr, flush=True))
+    print(table(rows, DECODE_HEADERS, ".3g"))
+    if getattr(args, "out", None):
+        import platform
+        from .bench import memory_bandwidth
+        _write_json(args.out, {"kind": "decode attention", "headers": DECODE_HEADERS, "rows": rows,
+                               "backend": kernels.backend_name(), "why": kernels.why(), "repeats": args.repeats,
+                               "machine": platform.machine(), "cpu_count": __import__("os").cpu_count(),
+                               "bandwidth_gb_s": memory_bandwidth()})
+    return 0
+
+
+def _bench_generate(args) -> int:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache as mlx_cache
+    from . import kernels
+    from .bench import generation_tokens_per_second
+    from .codecs.scalar import TurboQuantMSE
+    from .data import load_text
+    from .eval import encode_text
+    from .memory import cache_count
+    from .models import load
+    from .prompt_cache import make_prompt_cache
+    for b in args.bits:
+        TurboQuantMSE(64, b)                                  # bad --bits fail before a model loads
+    model, tokenizer = load(args.model)
+    ids = encode_text(tokenizer, load_text(args.corpus), args.context)
+    if len(ids) < args.context:
+        raise ValueError(f"the {args.corpus} corpus has only {len(ids)} tokens, fewer than --context {args.context}")
+    prompt = mx.array(ids, dtype=mx.int32)
+    caches = {"fp32 cache (mlx-lm KVCache)": mlx_cache(model)}
+    for b in args.bits:
+        caches[f"TurboQuant_mse {b}-bit K/V, attention from codes ({kernels.backend_name()})"] = make_prompt_cache(
+            model, key_codec=lambda d, b=b: TurboQuantMSE(d, b), value_codec=lambda d, b=b: TurboQuantMSE(d, b))
+    say = None if args.quiet else lambda m: print(m + " ...", file=sys.stderr, flush=True)
+    if say:
+        say(f"then {args.new_tokens} greedy steps per cache, interleaved")
+    runs = generation_tokens_per_second(model, caches, prompt, args.new_tokens, progress=say)
+    base = next(iter(runs.values()))["tokens_per_s"]
+    print(f"greedy decoding after {args.context} tokens of {args.corpus}, {args.new_tokens} steps per cache "
+          "(interleaved), tokens/s from the median step:")
+    for label, r in runs.items():
+        print(f"  {label:60s} {r['tokens_per_s']:7.2f} tokens/s  ({r['tokens_per_s'] / base:.2f}x the fp32 cache)")
+    if args.out:
+        import platform
+        from .bench import memory_bandwidth
+        _write_json(args.out, {"kind": "greedy generation", "model": args.model, "context": args.context,
+                               "new_tokens": args.new_tokens, "corpus": args.corpus, "runs": runs,
+                               "layers": cache_count(model), "backend": kernels.backend_name(),
+                               "machine": platform.machine(), "cpu_count": __import__("os").cpu_count(),
+                               "bandwidth_gb_s": memory_bandwidth()})
+    return 0
+
+
+_BENCH_ONLY = {"decode": ("tokens", "repeats", "slow_up_to"),
+               "generate": ("model", "context", "new_tokens", "bits", "corpus")}
+
+
+def _bench(args) -> int:
+    other = "generate" if args.what == "decode" else "decode"
+    for name in _BENCH_ONLY[other]:                     # an option of the other mode: say so
+        if getattr(args, name) != args.parser.get_default(name):
+            raise ValueError(f"--{name.replace('_', '-')} applies to `turboquant bench {other}` only")
+    return _bench_decode(args) if args.what == "decode" else _bench_generate(args)
 
 
 def main(argv=None) -> int:
@@ -313,14 +404,37 @@ def main(argv=None) -> int:
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(run=_eval)
 
-    k = sub.add_parser("kernels", help="which fused-kernel back-end is used, its self-check, and a decode benchmark")
-    k.add_argument("--emulated", action="store_true", help="check the kernel bodies through their C++ build (CPU)")
-    k.add_argument("--bench", action="store_true", help="time decode attention: kernels vs the mx path vs SDPA")
+    k = sub.add_parser("kernels", help="which fused-kernel back-end is used, why, and its self-check")
+    k.add_argument("--emulated", action="store_true", help="check the GPU kernel bodies through their C++ build (CPU)")
+    k.add_argument("--bench", action="store_true", help="then time decode attention (as `turboquant bench decode`)")
     k.add_argument("--tokens", type=_int_at_least(1), nargs="+", default=[1024, 4096, 16384], help="cache lengths for --bench")
     k.add_argument("--repeats", type=_int_at_least(1), default=5)
+    k.add_argument("--slow-up-to", type=_int_at_least(1), default=16384, help=argparse.SUPPRESS)
+    k.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     k.set_defaults(run=_kernels)
+
+    b = sub.add_parser("bench", help="decode speed: attention from codes vs fp32 (decode), tokens/s (generate)",
+                       description="decode: one decode step's attention over T cached tokens (B=1, H=8, "
+                       "D=128, float32) for TurboQuant_mse 4/3/2 bits and FibQuant, as speed-ups over fp32 "
+                       "SDPA measured in the same run. generate: greedy tokens/s of a real model after a long "
+                       "prompt, fp32 cache against TurboQuant caches read through attention from codes.")
+    b.add_argument("what", choices=["decode", "generate"])
+    b.add_argument("--tokens", type=_int_at_least(1), nargs="+", default=[1024, 4096, 16384, 65536],
+                   help="decode: cache lengths T")
+    b.add_argument("--repeats", type=_int_at_least(1), default=5, help="decode: timed calls per cell (median)")
+    b.add_argument("--slow-up-to", type=_int_at_least(1), default=16384,
+                   help="decode: time the slow paths (dequantize, mx path) only up to this T")
+    b.add_argument("--model", default="smollm2-135m", help="generate: an installed model or an mlx-lm folder")
+    b.add_argument("--context", type=_int_at_least(1), default=8192, help="generate: prompt tokens before decoding")
+    b.add_argument("--new-tokens", type=_int_at_least(1), default=32, help="generate: timed greedy tokens per cache")
+    b.add_argument("--bits", type=_int_at_least(1), nargs="+", default=[4], help="generate: TurboQuant_mse bits")
+    b.add_argument("--corpus", choices=["wikipedia", "lee"], default="lee", help="generate: prompt text")
+    b.add_argument("--out", default=None, help="write the results as JSON here")
+    b.add_argument("--quiet", action="store_true", help="no progress lines")
+    b.set_defaults(run=_bench)
     args = p.parse_args(argv)
-    args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c}[args.command]
+    args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c,
+                   "bench": b}[args.command]
     try:
         return args.run(args)
     except (ValueError, TypeError, FileNotFoundError) as e:   # bad input: one line, no traceback

@@ -1,20 +1,24 @@
-"""Fused kernels for encode and for decode attention from packed codes (Chapter 7).
+"""Fused kernels for encode and for decode attention from packed codes (Performance chapter).
 
 The mx-operations path in ``turboquant.codecs`` and ``turboquant.attention`` is the
-reference and what runs on a CPU by default. When mlx has a GPU back-end, the same three kernel
-bodies (``turboquant.kernels.source``) run as ``mx.fast.metal_kernel`` (Apple GPUs) or
-``mx.fast.cuda_kernel`` (NVIDIA), chosen automatically: ``TurboQuantMSE`` and ``FibQuant``
-encode through ``encode``, and ``attention_from_codes`` takes its scores and value sums
-from ``scores``/``values`` (the passes over all T·D codes) for those codecs.
+reference. Behind the query-table protocol of the rotated-table codecs (TurboQuant_mse,
+FibQuant) one back-end is chosen automatically, on first use:
 
-``TURBOQUANT_KERNELS=0`` turns the automatic choice off and ``TURBOQUANT_KERNELS=cpp``
-opts in to the kernel bodies compiled as C++ for the CPU (needs a C++ compiler; it is how
-the tests check the bodies here, and on this CPU it is much faster than the mx path for
-attention from codes: Chapter 7). ``use(backend)`` forces one (``use(None)``: the mx path;
-``use(emulated())``: the C++ build). A GPU back-end is adopted only after its
-kernels reproduce the mx path on a small problem (``self_check``), once per process.
+- mlx with a GPU: the three kernel bodies of ``turboquant.kernels.source`` as
+  ``mx.fast.metal_kernel`` (Apple GPUs) or ``mx.fast.cuda_kernel`` (NVIDIA);
+- a CPU (the default elsewhere): ``turboquant.kernels.cpu``, a C++ file compiled on first
+  use with the system's compiler for this CPU (SIMD table lookups from the packed bytes,
+  threads over heads and token blocks) and cached in ``$TURBOQUANT_CACHE/kernels``. With no
+  C++ compiler: one warning, then the mx path.
 
-What was verified where is stated in ``VERIFIED`` and in Chapter 7.
+Every back-end is adopted only after it reproduces the mx path on small problems
+(``self_check``), once per process. ``TURBOQUANT_KERNELS=0`` turns the automatic choice off
+(the mx path); ``TURBOQUANT_KERNELS=cpp`` uses the GPU kernel bodies compiled as C++
+(``emulated()``: how the tests check those bodies without a GPU; slower than ``cpu``).
+``use(backend)`` forces one in a block (``use(None)``: the mx path). ``turboquant kernels``
+says which back-end is active and why.
+
+What was verified where is stated in ``VERIFIED`` and in the Performance chapter.
 """
 from __future__ import annotations
 
@@ -34,11 +38,14 @@ from . import source
 
 __all__ = ["KernelSpec", "spec_for", "backend_name", "active", "use", "emulated", "gpu_backend",
            "fits", "encode_fits", "encode", "unit_scores", "rotated_values", "VERIFIED", "adopt", "self_check", "cpu_backend",
-           "env_mode"]
+           "env_mode", "fast_cpu_backend", "why"]
 
 VERIFIED = {
+    "cpu": "turboquant/kernels/cpu.cpp compiled with g++ 12 (-O3 -march=native, OpenMP) on an "
+           "AMD EPYC (AVX-512) and compared with the mx path (tests/test_cpu_kernels.py, also "
+           "with its AVX2 and portable branches); its self-check runs on every machine first",
     "cpp": "the three kernel bodies compiled with g++ and run on this CPU, compared with the "
-           "mx reference (tests/test_kernels.py, Chapter 7)",
+           "mx reference (tests/test_kernels.py, Chapter 11)",
     "cuda": "the CUDA translation unit in mlx 0.32's generated layout compiled with nvcc 13 "
             "for sm_90 (tests/test_kernels.py, with a stand-in for mlx's device header; once by "
             "hand with the headers of the mlx-cuda-13 0.32.4 wheel); not run: no NVIDIA GPU "
@@ -103,7 +110,11 @@ def adopt(make):
 
 def self_check(backend) -> str | None:
     """Run ``backend``'s three kernels on small random inputs for a scalar and a vector codec
-    and compare with the mx path: None when they agree, else what differed."""
+    and compare with the mx path: None when they agree, else what differed. The CPU
+    back-end has its own check (``turboquant.kernels.cpu.self_check``)."""
+    if not hasattr(backend, "run"):
+        from .cpu import self_check as cpu_check
+        return cpu_check(backend)
     cases = ({"codec": "turboquant_mse", "dim": 64, "bits": 3},              # small: quick to build
              {"codec": "fibquant", "dim": 64, "k": 2, "n_codewords": 8})
     for codec in map(from_config, cases):
@@ -153,6 +164,53 @@ def env_mode() -> str:
     return mode
 
 
+_WHY = {}
+
+
+@lru_cache(maxsize=1)
+def fast_cpu_backend():
+    """The CPU back-end (``turboquant.kernels.cpu``), built on first use and adopted after
+    its self-check; None (with one warning saying why) without a C++ compiler or when the
+    build or the check fails."""
+    from .cpu import CpuKernels, self_check as cpu_check
+    from .emulate import compiler
+    cxx = compiler()
+    if cxx is None:
+        _WHY["cpu"] = "no C++ compiler (set $CXX or install g++)"
+        warnings.warn("turboquant: no C++ compiler found (set $CXX or install g++), so attention "
+                      "from codes runs on the slower mx path", RuntimeWarning, stacklevel=3)
+        return None
+    try:
+        backend = CpuKernels(cxx)
+        problem = cpu_check(backend)
+    except Exception as e:                                   # compile or load failure
+        backend, problem = None, f"{type(e).__name__}: {e}"
+    if problem is not None:
+        _WHY["cpu"] = problem
+        warnings.warn(f"turboquant: the CPU kernels were not adopted ({problem}); using the mx "
+                      "path. Please report this.", RuntimeWarning, stacklevel=3)
+        return None
+    _WHY["cpu"] = f"built for this CPU ({backend.isa}) at {backend.path}, self-check passed"
+    return backend
+
+
+def why() -> str:
+    """Why the active back-end is the one it is, in one sentence."""
+    forced = _forced.get()
+    if forced is not _AUTO:
+        return "forced by kernels.use()"
+    mode = env_mode()
+    if mode == "0":
+        return "TURBOQUANT_KERNELS=0: the mx path"
+    if mode == "cpp":
+        return "TURBOQUANT_KERNELS=cpp: the GPU kernel bodies compiled as C++"
+    if gpu_backend() is not None:
+        return f"mlx has a GPU ({gpu_backend().name}); its kernels passed their self-check"
+    backend = fast_cpu_backend()
+    return "no GPU; CPU kernels " + _WHY.get("cpu", "") if backend is not None else \
+        "no GPU, and the CPU kernels are not in use: " + _WHY.get("cpu", "unknown")
+
+
 @lru_cache(maxsize=1)
 def cpu_backend():
     """The kernel bodies' C++ build as an opt-in CPU back-end (``TURBOQUANT_KERNELS=cpp``),
@@ -177,11 +235,12 @@ def active():
         return None
     if mode == "cpp":
         return cpu_backend()
-    return gpu_backend()
+    gpu = gpu_backend()
+    return gpu if gpu is not None else fast_cpu_backend()
 
 
 def backend_name() -> str:
-    """"metal", "cuda", "cpp" or "mx" (no kernels)."""
+    """"metal", "cuda", "cpu", "cpp" or "mx" (no kernels)."""
     b = active()
     return "mx" if b is None else b.name
 
@@ -199,6 +258,7 @@ def use(backend):
 
 # --------------------------------------------------------------------------- operations
 _INT_MAX = 2 ** 31 - 1
+_CPU_ENCODE_ROWS = 64              # vectors per call the CPU kernels encode (decode steps)
 
 
 def fits(spec: KernelSpec, q_rows: int, kv_rows: int, T: int) -> bool:
@@ -276,6 +336,16 @@ class _Dispatch:
         backend = active()
         if backend is None or x.size == 0:
             return None
+        if not hasattr(backend, "run"):
+            # the CPU kernels encode what a decode step adds (a few vectors per layer, where
+            # mx's per-operation costs dominate); prefill chunks and bulk encodes keep the mx
+            # path, so the codes a prompt gets — and every measurement made by prefilling —
+            # are the reference's bit for bit (the two differ in float rounding: the kernel
+            # rotates by a matrix product, the mx path by a fast transform; on real keys about
+            # one code byte in 10^4 differs, which moved Chapter 9's perplexities by up to 0.5
+            # points when it touched the attention sink's key)
+            rows = x.size // x.shape[-1]
+            return backend.encode(codec.kernel_spec(), x) if rows <= _CPU_ENCODE_ROWS else None
         spec = codec.kernel_spec()
         if not encode_fits(spec, x.size // x.shape[-1]):
             return None
@@ -284,6 +354,8 @@ class _Dispatch:
     def scores(self, codec, q_rot: mx.array, idx: mx.array):
         B, Hk, R, Tq, _ = q_rot.shape
         backend = active()
+        if backend is not None and not hasattr(backend, "run"):               # cpu: 64-bit offsets
+            return backend.scores(codec.kernel_spec(), q_rot, idx)
         if backend is None or not fits(spec := codec.kernel_spec(), B * Hk * R * Tq, B * Hk, idx.shape[2]):
             return None
         return unit_scores(backend, spec, q_rot, idx)
@@ -291,9 +363,24 @@ class _Dispatch:
     def values(self, codec, w: mx.array, idx: mx.array):
         B, Hk, R, Tq, T = w.shape
         backend = active()
+        if backend is not None and not hasattr(backend, "run"):
+            return backend.values(codec.kernel_spec(), w, idx)
         if backend is None or not fits(spec := codec.kernel_spec(), B * Hk * R * Tq, B * Hk, T):
             return None
         return rotated_values(backend, spec, w, idx)
+
+
+    def attend(self, kc, kcode, vc, vcode, q: mx.array, scale: float):
+        """Decode attention in one call, q (B, H_kv, R, Tq, D) unrotated and unscaled → the
+        output (B, H_kv, R, Tq, D), when the active back-end has it (the CPU's) and both
+        codecs are rotated tables; else None."""
+        from .cpu import MATMUL_ROWS
+        backend = active()
+        if backend is None or not hasattr(backend, "attend") or spec_for(kc) is None or spec_for(vc) is None:
+            return None
+        if q.shape[2] * q.shape[3] >= MATMUL_ROWS:          # many queries per kv head: decode + matmul
+            return None
+        return backend.attend(kc.kernel_spec(), kcode, vc.kernel_spec(), vcode, q, scale)
 
 
 set_accelerator(_Dispatch())

@@ -6,7 +6,7 @@ arguments as ``constexpr int``), compiled once per template with the system's C+
 compiler (``$CXX`` or g++; with OpenMP when it has it, since the threads are independent),
 loaded with ctypes and called for every thread of the grid.
 What it cannot check: GPU-only matters (the generated signatures, memory coalescing,
-speed); those are said in Chapter 7.
+speed); those are said in Chapter 11.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One kernel body per operation, shared by Metal, CUDA and a C++ emulation (Chapter 7).
+"""One kernel body per operation, shared by Metal, CUDA and a C++ emulation (Chapter 11).
 
 Each body is the inside of a function that one GPU thread runs. It uses only what Metal
 Shading Language, CUDA C++ and C++17 have in common — ``int``, ``float``, ``uint8_t``,

@@ -7,6 +7,7 @@ from .calibrated import plot_allocation, plot_budget_choice, plot_spectra
 from .fibquant import plot_fibquant_codebook, plot_frontier, plot_radius_law
 from .inner import plot_qjl_estimates, qjl_estimates
 from .memory import MACBOOK_AIR_BYTES, plot_kv_calculator, plot_kv_memory
+from .performance import plot_decode_speedups, plot_roofline, plot_step_bytes
 from .polar import plot_polar_angles
 from .realmodel import plot_layer_heatmap, plot_ppl_frontier, plot_sink_mass
 from .scalar import plot_codebook, plot_rate_distortion
@@ -19,4 +20,4 @@ __all__ = ["COLORS", "GB", "MB", "figure", "interact", "table", "plot_kv_memory"
            "plot_rate_distortion", "plot_qjl_estimates", "qjl_estimates", "plot_polar_angles",
            "plot_radius_law", "plot_fibquant_codebook", "plot_frontier", "plot_swa_budget",
            "plot_ppl_frontier", "plot_layer_heatmap", "plot_sink_mass", "plot_spectra", "plot_allocation",
-           "plot_budget_choice"]
+           "plot_budget_choice", "plot_step_bytes", "plot_roofline", "plot_decode_speedups"]
