@@ -247,9 +247,12 @@ inline void exp_nonpositive(float* x, int n) {
   }
 }
 
-template <class Dec>
-void scores_pass(const Dec& dec, const float* q, const uint8_t* idx, long long head_stride,
-                 int HK, int RT, int T, int D, int NB, float* out) {
+// Calls body(h, u, t, c) for every token t of every (kv head h, block of BLOCK tokens) unit
+// u, the units shared out among the threads; c holds token t's rotated coordinates c[i_t]
+// (decoded into a per-thread buffer). The passes below differ only in their body.
+template <class Dec, class Body>
+void for_each_token(const Dec& dec, const uint8_t* idx, long long head_stride, int HK, int T, int D, int NB,
+                    Body&& body) {
   const int nblk = (T + BLOCK - 1) / BLOCK;
   const long long units = (long long)HK * nblk;
 #pragma omp parallel if ((long long)HK * T * D >= PAR_MIN)
@@ -260,47 +263,40 @@ void scores_pass(const Dec& dec, const float* q, const uint8_t* idx, long long h
       const int h = (int)(u / nblk), b = (int)(u % nblk);
       const int t0 = b * BLOCK, t1 = t0 + BLOCK < T ? t0 + BLOCK : T;
       const uint8_t* codes = idx + h * head_stride;
-      const float* qh = q + (long long)h * RT * D;
-      float* oh = out + (long long)h * RT * T;
       for (int t = t0; t < t1; ++t) {
         dec(codes + (long long)t * NB, buf.data());
-        for (int r = 0; r < RT; ++r) oh[(long long)r * T + t] = dot(qh + (long long)r * D, buf.data(), D);
+        body(h, u, t, buf.data());
       }
     }
   }
 }
 
 template <class Dec>
+void scores_pass(const Dec& dec, const float* q, const uint8_t* idx, long long head_stride,
+                 int HK, int RT, int T, int D, int NB, float* out) {
+  for_each_token(dec, idx, head_stride, HK, T, D, NB, [&](int h, long long, int t, const float* c) {
+    for (int r = 0; r < RT; ++r)
+      out[((long long)h * RT + r) * T + t] = dot(q + ((long long)h * RT + r) * D, c, D);
+  });
+}
+
+template <class Dec>
 void values_pass(const Dec& dec, const float* w, const uint8_t* idx, long long head_stride,
                  int HK, int RT, int T, int D, int NB, float* out) {
   const int nblk = (T + BLOCK - 1) / BLOCK;
-  const long long units = (long long)HK * nblk;
-  std::vector<float> part((size_t)units * RT * D, 0.0f);
-#pragma omp parallel if ((long long)HK * T * D >= PAR_MIN)
-  {
-    std::vector<float> buf(D);
-#pragma omp for schedule(static)
-    for (long long u = 0; u < units; ++u) {
-      const int h = (int)(u / nblk), b = (int)(u % nblk);
-      const int t0 = b * BLOCK, t1 = t0 + BLOCK < T ? t0 + BLOCK : T;
-      const uint8_t* codes = idx + h * head_stride;
-      const float* wh = w + (long long)h * RT * T;
-      float* acc = part.data() + (size_t)u * RT * D;
-      for (int t = t0; t < t1; ++t) {
-        dec(codes + (long long)t * NB, buf.data());
-        for (int r = 0; r < RT; ++r) {
-          const float wt = wh[(long long)r * T + t];
-          if (wt != 0.0f) axpy(wt, buf.data(), acc + (size_t)r * D, D);
-        }
-      }
+  std::vector<float> part((size_t)HK * nblk * RT * D, 0.0f);
+  for_each_token(dec, idx, head_stride, HK, T, D, NB, [&](int h, long long u, int t, const float* c) {
+    for (int r = 0; r < RT; ++r) {
+      const float wt = w[((long long)h * RT + r) * T + t];
+      if (wt != 0.0f) axpy(wt, c, part.data() + ((size_t)u * RT + r) * D, D);
     }
-#pragma omp for schedule(static)
-    for (long long hr = 0; hr < (long long)HK * RT; ++hr) {  // partial sums, in block order
-      const int h = (int)(hr / RT), r = (int)(hr % RT);
-      float* o = out + (size_t)hr * D;
-      for (int d = 0; d < D; ++d) o[d] = 0.0f;
-      for (int b = 0; b < nblk; ++b) axpy(1.0f, part.data() + ((size_t)(h * nblk + b) * RT + r) * D, o, D);
-    }
+  });
+#pragma omp parallel for schedule(static) if ((long long)HK * T * D >= PAR_MIN)
+  for (long long hr = 0; hr < (long long)HK * RT; ++hr) {  // partial sums, in block order
+    const int h = (int)(hr / RT), r = (int)(hr % RT);
+    float* o = out + (size_t)hr * D;
+    for (int d = 0; d < D; ++d) o[d] = 0.0f;
+    for (int b = 0; b < nblk; ++b) axpy(1.0f, part.data() + ((size_t)(h * nblk + b) * RT + r) * D, o, D);
   }
 }
 
