@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make book   re-executes every chapter and builds the HTML book in _build/html
-#   make test   runs the unit tests, nbval on every stored notebook, and a -W book build
+#   make test   runs the unit tests, nbval on every stored notebook, a -W book build, and
+#               the built book in headless Chromium with the network blocked
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -9,7 +10,7 @@ NOTEBOOKS := $(sort $(wildcard book/*.ipynb))
 export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 
-.PHONY: all book test test-unit test-notebooks test-book model lab gpu-check clean distclean
+.PHONY: all book test test-unit test-notebooks test-book test-browser model lab gpu-check clean distclean
 
 all: test
 
@@ -48,10 +49,10 @@ book: model
 	$(BIN)/jupyter-book build --all -W -n --keep-going .
 	@echo "book: $(CURDIR)/_build/html/index.html"
 
-test: test-unit test-notebooks test-book
+test: test-unit test-notebooks test-book test-browser
 
 test-unit: model
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not browser" tests
 
 test-notebooks: model
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
@@ -59,6 +60,13 @@ test-notebooks: model
 
 test-book: $(STAMP)
 	$(BIN)/jupyter-book build --all -W -n --keep-going .
+
+# Every page of a freshly built book (test-book runs first) in headless Chromium with the
+# network blocked: maths typeset, images decoded, widget figures shown, no console errors or
+# failed requests (tests/test_browser.py). Skips with a message where Chromium is missing;
+# screenshots and a JSON report go to _build/browser/.
+test-browser: test-book
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m browser tests/test_browser.py
 
 # The chapters in JupyterLab, to run them and move the widgets (--allow-root: CI-like
 # machines run as root; it changes nothing elsewhere).

@@ -88,12 +88,15 @@ def _sources():
 
 def private_uses(source: str) -> list[str]:
     """Private names of the package that ``source`` reaches: ``from turboquant… import _x``
-    and attribute access ``obj._x`` (dunders excepted)."""
+    and attribute access ``obj._x`` (dunders, a class's own ``self._x`` and IPython's display
+    protocol ``_repr_*_`` excepted)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("turboquant"):
             found += [f"import {a.name}" for a in node.names if a.name.startswith("_")]
-        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+        elif (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+              and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+              and not (node.attr.startswith("_repr_") and node.attr.endswith("_"))):
             found.append(f".{node.attr}")
     return found
 
@@ -105,8 +108,8 @@ def test_no_test_or_chapter_uses_a_private_name_of_the_package():
 
 
 def test_the_private_name_finder_finds_them():
-    assert private_uses("from turboquant.attention import _repeat_kv\nc._fetch(1)\nx.__class__") == \
-        ["import _repeat_kv", "._fetch"]
+    assert sorted(private_uses("from turboquant.attention import _repeat_kv\nc._fetch(1)\nx.__class__\n"
+                               "self._mine\nw._repr_png_()\nw._reprx")) == ["._fetch", "._reprx", "import _repeat_kv"]
 
 
 def test_importing_and_plotting_change_no_global_state():

@@ -119,15 +119,15 @@ class QuantizedSWACache:
 
     @property
     def k(self):
-        """Bit-Axon's layer reads ``cache.k.shape[2]`` before an update: the number of old
-        tokens the update will hand back (at most W − 1)."""
+        """The number of old tokens the next update hands back (at most W − 1), as
+        ``cache.k.shape[2]`` — what Bit-Axon's layer reads before an update."""
         if self.ring.empty():
             return None
         B, H = self.ring.codes()[0].shape[:2]
         return _Shape((B, H, min(self.offset, self.window_size - 1), self.key_codec.dim))
 
     def update_and_fetch(self, xk: mx.array, xv: mx.array):
-        """Encode the new tokens; return ``CodesView``s of the last W − 1 held tokens plus
+        """Encode the new tokens; return ``CodesView`` objects of the last W − 1 held tokens plus
         the new ones (temporal order); then compact the ring to W slots."""
         self.ring.update_and_fetch(xk, xv)       # lazy: the dequantized return is never computed
         views = self.ring.ordered_codes()
@@ -135,7 +135,7 @@ class QuantizedSWACache:
         return views
 
     def codes(self):
-        """The held tokens (at most W) as (keys, values) ``CodesView``s, oldest first."""
+        """The held tokens (at most W) as (keys, values) ``CodesView`` objects, oldest first."""
         return self.ring.ordered_codes()
 
     @property

@@ -153,7 +153,7 @@ class TurboQuantKVCache:
         return k.dequantize(), v.dequantize()
 
     def codes(self):
-        """The held tokens as (keys, values) ``CodesView``s, in the order attention reads
+        """The held tokens as (keys, values) ``CodesView`` objects, in the order attention reads
         them (what ``update_and_fetch`` returns under ``codes_attention``)."""
         if self.keys is None:
             raise ValueError("the cache is empty: no codes yet")
@@ -219,7 +219,7 @@ class TurboQuantKVCache:
     # ---------------------------------------------------------------- state
     @property
     def state(self):
-        """(key code fields, value code fields, exact tokens, meta JSON): the code fields map
+        """tuple: (key code fields, value code fields, exact tokens, meta JSON). The code fields map
         names to (B, H, T, w) arrays; exact tokens are ``k``/``v`` (the recent window) and
         ``sk``/``sv`` (sinks) as (B, H, t, D) arrays. Unlike mlx-lm's ``KVCache`` (whose
         state is (keys, values)) this is a tree of code fields; the fourth entry, the JSON of
@@ -336,7 +336,7 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
         return cache
 
     def ordered_codes(self):
-        """The held tokens as (keys, values) ``CodesView``s in temporal order, oldest first
+        """The held tokens as (keys, values) ``CodesView`` objects in temporal order, oldest first
         (``codes()`` gives them in the order attention reads them, which after single-token
         steps is ring order)."""
         if self.keys is None:

@@ -76,7 +76,7 @@ def tiny_model(kind: str = "llama", seed: int = 0, num_layers: int = 4, hidden_s
 
 class ByteTokenizer:
     """A byte-level stand-in for a Hugging Face tokenizer (ids 1…255 are bytes, 0 is EOS),
-    enough for ``mlx_lm.generate`` with the random ``tiny_model``s. Not a real tokenizer."""
+    enough for ``mlx_lm.generate`` with the random ``tiny_model`` models. Not a real tokenizer."""
 
     eos_token_id = 0
     bos_token = None

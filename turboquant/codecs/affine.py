@@ -20,7 +20,7 @@ _BITS = (2, 3, 4, 5, 6, 8)
 
 @register
 class AffineCodec(Codec):
-    """AffineCodec(dim, bits, group_size=64, *, rotation=None, seed=0).
+    """``AffineCodec(dim, bits, group_size=64, *, rotation=None, seed=0)``.
 
     Code fields ``w`` (…, D·b/32) uint32, ``scales`` and ``biases`` (…, D/g) float16.
     """
@@ -46,7 +46,7 @@ class AffineCodec(Codec):
 
     @property
     def bits_per_coordinate(self) -> float:
-        """Payload plus an fp16 scale and bias per group of g: b + 32/g."""
+        """float: payload plus an fp16 scale and bias per group of g, b + 32/g."""
         return self.bits + 32 / self.group_size
 
     @property

@@ -125,7 +125,7 @@ class Codec:
         return self._encode(x)
 
     def decode(self, code: Code) -> mx.array:
-        """A ``Code`` made by this codec → x̂ (*code.shape, D) in the encoded input's dtype."""
+        """A ``Code`` made by this codec → x̂ ``(*code.shape, D)`` in the encoded input's dtype."""
         code = self._check_code(code)
         if math.prod(code.shape) == 0:
             return mx.zeros((*code.shape, self.dim), code.dtype)

@@ -28,7 +28,7 @@ __all__ = ["Centered"]
 
 @register
 class Centered(Codec):
-    """Centered(inner, *, mean=None): ``inner`` is a codec or its config; ``mean`` is (H, D) or
+    """``Centered(inner, *, mean=None)``: ``inner`` is a codec or its config; ``mean`` is (H, D) or
     (D,) nested lists (normally learned by ``fit``). Code fields are the inner codec's."""
 
     name = "centered"

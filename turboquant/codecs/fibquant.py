@@ -6,6 +6,7 @@ codewords per (D, k) serves every input, at rate b = log2(N)/k bits per coordina
 fractional, and below one bit when N < 2^k (FibQuant, arXiv 2605.11478).
 
 Construction (``fibquant_codebook``):
+
 - radii by Bennett–Gersho companding: the optimal point density is ∝ f^{k/(k+2)}, so
   radii satisfy r² ~ Beta(k/2, β), β = 1 + (k/(k+2))·(D−k−2)/2, taken at the quantiles
   q_n = (n − ½)/N: r_n = sqrt(I⁻¹_{q_n}(k/2, β)) (on the sphere itself when k = D);
@@ -15,6 +16,7 @@ Construction (``fibquant_codebook``):
 - refinement: Lloyd (k-means) on seeded samples of f_{D,k}, restarted from the spiral and
   from k-means++ seeds; the result with the lowest held-out MSE wins, the spiral included,
   so refinement is never worse than its initialization.
+
 Codebooks are pure functions of (D, k, N, seed), cached in memory and on disk.
 """
 from __future__ import annotations
@@ -222,7 +224,7 @@ def _build(dim, k, n, seed, restarts) -> VectorCodebook:
 
 @register
 class FibQuant(RotatedTable):
-    """FibQuant(dim, k=2, n_codewords=None, *, bits=None, rotation="haar", seed=0).
+    """``FibQuant(dim, k=2, n_codewords=None, *, bits=None, rotation="haar", seed=0)``.
 
     Give ``n_codewords`` (N) or ``bits`` (b, then N = 2^(b·k) must be a whole number).
     ``rate`` = log2(N)/k is the nominal rate; ``payload_bits`` = ceil(log2 N)/k what the
@@ -260,7 +262,7 @@ class FibQuant(RotatedTable):
 
     @property
     def expected_mse(self) -> float:
-        """E‖u − û‖² for unit u: the codebook's held-out per-block MSE times D/k."""
+        """float: E‖u − û‖² for unit u, the codebook's held-out per-block MSE times D/k."""
         return self.codebook.mse * self.dim / self.k
 
     def config(self) -> dict:

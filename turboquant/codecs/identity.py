@@ -33,7 +33,7 @@ class Identity(Codec):
 
     @property
     def bits_per_coordinate(self) -> float:
-        """No side information: the payload."""
+        """float: the payload (no side information)."""
         return self.payload_bits
 
     @property

@@ -83,7 +83,7 @@ def polar_inverse(angles: list[mx.array], r: mx.array) -> mx.array:
 
 @register
 class PolarQuant(Codec):
-    """PolarQuant(dim, level_bits=(4, 2, 2, 2), *, rotation="hadamard", seed=0).
+    """``PolarQuant(dim, level_bits=(4, 2, 2, 2), *, rotation="hadamard", seed=0)``.
 
     Vectors are zero-padded to a multiple of 2^L (the padding is counted in
     ``bits_per_coordinate``) and rotated in the padded space. Code fields ``b{w}``: the
@@ -123,7 +123,7 @@ class PolarQuant(Codec):
 
     @property
     def bits_per_coordinate(self) -> float:
-        """Payload plus one fp16 radius per block of 2^L padded coordinates."""
+        """float: payload plus one fp16 radius per block of 2^L padded coordinates."""
         angle_bits = sum(n * b for n, b in zip(self._counts(), self.level_bits))
         return (angle_bits + 16 * self.padded_dim // 2 ** self.levels) / self.dim
 
@@ -142,7 +142,7 @@ class PolarQuant(Codec):
 
     @property
     def expected_mse(self) -> float:
-        """First-order E‖u − û‖² for unit u: Σ_ℓ C_ℓ, the angle codebooks' MSEs (rad²).
+        """float: first-order E‖u − û‖² for unit u, Σ_ℓ C_ℓ, the angle codebooks' MSEs (rad²).
 
         An angle error δ at any level turns a sub-block of radius r by δ, an error of r·δ;
         the radii of one level split ‖u‖² = 1, so each level adds its angle MSE C_ℓ."""

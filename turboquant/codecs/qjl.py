@@ -43,7 +43,7 @@ def _sketch_matrix(dim: int, m: int, orthogonal: bool, seed: int) -> np.ndarray:
 
 @register
 class QJL(Codec):
-    """QJL(dim, m=None, *, orthogonal=False, seed=0): a 1-bit sketch of m projections.
+    """``QJL(dim, m=None, *, orthogonal=False, seed=0)``: a 1-bit sketch of m projections.
 
     Code fields ``signs`` (…, ceil(m/8)) uint8, ``norm`` (…, 1) float16.
     ``decode`` returns the unbiased estimate c·‖k‖·Sᵀ sign(S k) (…, D).
@@ -77,12 +77,12 @@ class QJL(Codec):
 
     @property
     def payload_bits(self) -> float:
-        """m signs per D coordinates: m/D."""
+        """float: m signs per D coordinates, m/D."""
         return self.m / self.dim
 
     @property
     def bits_per_coordinate(self) -> float:
-        """Payload plus the fp16 norm: (m + 16)/D."""
+        """float: payload plus the fp16 norm, (m + 16)/D."""
         return (self.m + 16) / self.dim
 
     @property
@@ -120,7 +120,7 @@ class QJL(Codec):
 
 @register
 class TurboQuantProd(Codec):
-    """TurboQuant_prod(dim, bits, *, rotation="hadamard", seed=0): unbiased inner products.
+    """``TurboQuant_prod(dim, bits, *, rotation="hadamard", seed=0)``: unbiased inner products.
 
     bits − 1 bits of TurboQuant_mse (none when bits = 1), plus a QJL sketch (m = D) of the
     residual with its fp16 norm γ. bits_per_coordinate = bits + 32/D (16/D when bits = 1).
@@ -138,12 +138,12 @@ class TurboQuantProd(Codec):
 
     @property
     def payload_bits(self) -> float:
-        """b − 1 TurboQuant_mse bits plus one QJL sign per coordinate: b."""
+        """float: b − 1 TurboQuant_mse bits plus one QJL sign per coordinate, b."""
         return (self.mse.payload_bits if self.mse else 0) + self.qjl.payload_bits
 
     @property
     def bits_per_coordinate(self) -> float:
-        """Payload plus two fp16 norms (ν and γ): b + 32/D (b + 16/D when b = 1)."""
+        """float: payload plus two fp16 norms (ν and γ), b + 32/D (b + 16/D when b = 1)."""
         return (self.mse.bits_per_coordinate if self.mse else 0) + self.qjl.bits_per_coordinate
 
     @property

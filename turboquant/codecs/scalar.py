@@ -1,7 +1,7 @@
 """TurboQuant_mse: rotation + per-coordinate Lloyd–Max codebook (Chapter 3).
 
 Zandieh et al., "TurboQuant: Online Vector Quantization with Near-optimal Distortion
-Rate", arXiv 2504.19874, Algorithm 1. For x of shape (..., D):
+Rate", arXiv 2504.19874, Algorithm 1. For x of shape (..., D)::
 
     ν = ‖x‖ (fp16),  y = Π (x/ν),  i_j = argmin_c |y_j − c|  (b bits each, packed)
     x̂ = ν · Πᵀ c[i]
@@ -45,7 +45,7 @@ def bucketize(y: mx.array, thresholds: mx.array) -> mx.array:
 
 @register
 class TurboQuantMSE(RotatedTable):
-    """TurboQuant_mse(dim, bits, *, rotation="hadamard", seed=0, law="beta").
+    """``TurboQuant_mse(dim, bits, *, rotation="hadamard", seed=0, law="beta")``.
 
     ``bits`` in 1..8 per coordinate; ``rotation`` "hadamard" (D = 2^a, 12·2^a, 20·2^a) or
     "haar" (any D); ``law`` "beta" (exact coordinate law) or "gaussian" (its N(0, 1/D)
@@ -77,7 +77,7 @@ class TurboQuantMSE(RotatedTable):
 
     @property
     def expected_mse(self) -> float:
-        """E‖u − û‖² for unit u: D · C(f, b), the codebook's per-coordinate MSE times D."""
+        """float: E‖u − û‖² for unit u, D · C(f, b), the codebook's per-coordinate MSE times D."""
         return self.dim * self.codebook.mse
 
     @property

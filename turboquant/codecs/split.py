@@ -18,8 +18,8 @@ __all__ = ["OutlierSplit"]
 
 @register
 class OutlierSplit(Codec):
-    """OutlierSplit(dim, n_outliers=32, outlier_bits=3, bits=2, *, rotation="hadamard", seed=0,
-    channels=None). Its two parts rotate separately (``.outliers.rotation``,
+    """``OutlierSplit(dim, n_outliers=32, outlier_bits=3, bits=2, *, rotation="hadamard", seed=0,
+    channels=None)``. Its two parts rotate separately (``.outliers.rotation``,
     ``.rest.rotation``), so ``.rotation`` is None.
 
     Code fields: ``o_idx``, ``o_norm`` (outlier part), ``r_idx``, ``r_norm`` (the rest).
@@ -76,7 +76,7 @@ class OutlierSplit(Codec):
 
     @property
     def bits_per_coordinate(self) -> float:
-        """Payload plus the two parts' fp16 norms: + 32/D."""
+        """float: payload plus the two parts' fp16 norms, + 32/D."""
         return (self.n_outliers * self.outlier_bits + (self.dim - self.n_outliers) * self.bits + 32) / self.dim
 
     @property

@@ -132,12 +132,12 @@ class RotatedTable(Codec):
 
     @property
     def payload_bits(self) -> float:
-        """Stored index bits per coordinate: IB / K (no side information)."""
+        """float: stored index bits per coordinate, IB / K (no side information)."""
         return self.index_bits / self.k
 
     @property
     def bits_per_coordinate(self) -> float:
-        """Payload plus the fp16 norm: IB/K + 16/D."""
+        """float: payload plus the fp16 norm, IB/K + 16/D."""
         return self.payload_bits + 16 / self.dim
 
     @property

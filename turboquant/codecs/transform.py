@@ -123,7 +123,7 @@ def _psd_root(m: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarray]:
 
 @register
 class TransformCoder(Codec):
-    """TransformCoder(dim, alloc, mean, transform, inverse, levels, *, outliers=0, kind="klt").
+    """``TransformCoder(dim, alloc, mean, transform, inverse, levels, *, outliers=0, kind="klt")``.
 
     ``alloc``: bits per transformed coordinate (D ints, non-increasing); ``mean`` (H, D);
     ``transform``/``inverse`` (H, D, D); ``levels``: per distinct bit count b > 0 in
@@ -261,7 +261,7 @@ class TransformCoder(Codec):
 
     @property
     def bits_per_coordinate(self) -> float:
-        """Σ b_i / D plus 24 bits per exact outlier: no per-vector norm or scale."""
+        """float: Σ b_i / D plus 24 bits per exact outlier (no per-vector norm or scale)."""
         return (sum(self.alloc) + 24 * self.outliers) / self.dim
 
     @property
@@ -270,7 +270,7 @@ class TransformCoder(Codec):
 
     @property
     def side_nbytes(self) -> int:
-        """Per-layer constants (float32): μ, T, T⁻¹ and the levels."""
+        """int: bytes of the per-layer constants (float32), μ, T, T⁻¹ and the levels."""
         return 4 * (self.mean.size + self.transform.size + self.inverse.size + self.levels0.size
                     + sum(t.size for t in self.levels))
 

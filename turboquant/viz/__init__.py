@@ -2,7 +2,8 @@
 
 Every widget wraps a pure ``plot_*`` function that returns a matplotlib figure.
 """
-from .bitaxon import plot_swa_budget
+from .bitaxon import plot_swa_budget, plot_window_memory
+from .cache import best_within, lower_edge, plot_cache_tradeoff
 from .calibrated import plot_allocation, plot_budget_choice, plot_spectra
 from .fibquant import plot_fibquant_codebook, plot_frontier, plot_radius_law
 from .inner import plot_qjl_estimates, qjl_estimates
@@ -20,4 +21,5 @@ __all__ = ["COLORS", "GB", "MB", "figure", "interact", "table", "plot_kv_memory"
            "plot_rate_distortion", "plot_qjl_estimates", "qjl_estimates", "plot_polar_angles",
            "plot_radius_law", "plot_fibquant_codebook", "plot_frontier", "plot_swa_budget",
            "plot_ppl_frontier", "plot_layer_heatmap", "plot_sink_mass", "plot_spectra", "plot_allocation",
-           "plot_budget_choice", "plot_step_bytes", "plot_roofline", "plot_decode_speedups"]
+           "plot_budget_choice", "plot_step_bytes", "plot_roofline", "plot_decode_speedups",
+           "plot_window_memory", "plot_cache_tradeoff", "best_within", "lower_edge"]

@@ -6,10 +6,11 @@ import numpy as np
 from .style import COLORS, figure
 
 
-def plot_ppl_frontier(rows, title: str = ""):
+def plot_ppl_frontier(rows, title: str = "", budget: float | None = None):
     """Perplexity increase (%) against bits per coordinate (side information included);
     ``rows`` = [(name, family, bits, ppl, increase %)] as ``suite.frontier_rows`` returns.
-    One colour per family; the y axis is logarithmic."""
+    One colour per family; the y axis is logarithmic. With ``budget``, a line at that many
+    bits and the best configuration within it circled and named in the title."""
     fig, ax = figure(width=7.0, height=4.2)
     fams = sorted({r[1] for r in rows if r[1] != "reference"})
     for i, fam in enumerate(fams):
@@ -23,8 +24,17 @@ def plot_ppl_frontier(rows, title: str = ""):
     ax.axvline(3.25, c="gray", lw=0.6)
     ax.set_xlabel("bits per coordinate (K and V averaged, side information included)")
     ax.set_ylabel("perplexity increase over fp32 (%)")
+    if budget is not None:
+        fits = [r for r in rows if r[1] != "reference" and r[2] <= budget]
+        ax.axvline(budget, c="k", lw=1.0, ls="--")
+        if fits:
+            best = min(fits, key=lambda r: r[4])
+            ax.scatter([best[2]], [max(best[4], 0.01)], s=170, facecolors="none", edgecolors="k", lw=1.2)
+            title = f"{title}\nwithin {budget:g} bits: {best[0]} ({best[2]:.3g} bits) at {best[4]:+.2f} %"
+        else:
+            title = f"{title}\nno configuration within {budget:g} bits"
     if title:
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title.strip(), fontsize=10)
     ax.legend(fontsize=7, loc="upper right", ncol=2, frameon=False)
     fig.tight_layout()
     return fig

@@ -1,8 +1,7 @@
 """One figure style for the book, and widgets that wrap pure plotting functions.
 
-Every widget wraps a ``plot_*(...)`` function; the book also calls that function once at
-the widget's default values, so the static HTML shows the figure (Python callbacks do not
-run there).
+Every widget wraps a ``plot_*(...)`` function and is displayed together with the figure at
+its starting values, so the static HTML book (where no Python runs) shows that figure.
 """
 from __future__ import annotations
 
@@ -27,17 +26,79 @@ def figure(ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 3
     return fig, axes
 
 
-def interact(plot_fn, **controls):
-    """``ipywidgets.interact`` over ``plot_fn``; closes each figure after showing it."""
+class _FigureWidget:
+    """One output with two renderings: the live widget (JupyterLab, a running kernel) and the
+    figure at the widget's current setting as a PNG (static HTML, where no Python runs).
+
+    A front-end shows the richest type it can render: JupyterLab the widget view, the book
+    (``nb_mime_priority_overrides`` in ``_config.yml``) the PNG. Nothing needs the network.
+    """
+
+    def __init__(self, widget, png: bytes):
+        self.widget, self.png = widget, png
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        import base64
+        bundle = dict(self.widget._repr_mimebundle_(include=include, exclude=exclude) or {})
+        bundle["image/png"] = base64.b64encode(self.png).decode("ascii")
+        bundle.setdefault("text/plain", f"<figure widget over {', '.join(self.widget.kwargs)}>")
+        return bundle
+
+
+def interact(plot_fn, /, *, initial: dict | None = None, **controls):
+    """``ipywidgets.interactive`` over ``plot_fn``, displayed with a static fallback.
+
+    ``controls`` are ipywidgets abbreviations (``(lo, hi, step)`` for a slider, a list for a
+    drop-down). ``initial`` sets the starting values (default: ipywidgets' own choice) — the
+    static figure the book shows is the one at these values; a slider's starting value must lie
+    on its steps. Each figure is closed after it is shown. Returns the ``interactive`` widget
+    (its ``.kwargs`` are the current values): end the notebook line with ``;``, or the widget
+    is displayed a second time. An error while drawing the starting figure is raised as
+    ``RuntimeError`` from the plot function's own exception.
+    """
+    import io
+
     import ipywidgets as widgets
-    from IPython.display import display
+    from IPython.display import Image, display
+
+    unknown = sorted(set(initial or {}) - set(controls))
+    if unknown:
+        raise ValueError(f"initial values for unknown controls {unknown}; controls are {sorted(controls)}")
+    last: dict = {}
 
     def show(**kw):
-        fig = plot_fn(**kw)
-        display(fig)
-        plt.close(fig)
+        try:
+            fig = plot_fn(**kw)
+        except Exception as e:          # ipywidgets would only print or log it
+            last["error"] = e
+            raise
+        try:
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=fig.dpi)
+        finally:
+            plt.close(fig)
+        last["png"] = buf.getvalue()
+        display(Image(data=last["png"]))
 
-    return widgets.interact(show, **controls)
+    controls = {name: (widgets.interactive.widget_from_abbrev(abbrev, initial[name])
+                       if name in (initial or {}) else abbrev) for name, abbrev in controls.items()}
+    for name, value in (initial or {}).items():
+        c = controls[name]
+        off_grid = (hasattr(c, "step") and isinstance(c.step, (int, float)) and c.step > 0
+                    and abs((value - c.min) / c.step - round((value - c.min) / c.step)) > 1e-9)
+        if c.value != value or off_grid:
+            raise ValueError(f"initial value {name}={value!r} is not a setting of its control "
+                             f"(it would start at {c.value!r}"
+                             + (f"; its steps are {c.min} + k·{c.step})" if off_grid else ")"))
+    w = widgets.interactive(show, **controls)      # draws once: last["png"] is the start figure
+    if "png" not in last:
+        raise RuntimeError(f"{getattr(plot_fn, '__name__', plot_fn)!s} failed to draw its starting "
+                           f"figure at {w.kwargs}") from last.get("error")
+    for control in w.children:                      # redraw when a slider is released
+        if hasattr(control, "continuous_update"):
+            control.continuous_update = False
+    display(_FigureWidget(w, last["png"]))
+    return w
 
 
 def table(rows, headers, floatfmt: str = ".4g") -> str:

@@ -1,0 +1,197 @@
+"""Widgets with a static figure, the figures added for Chapters 7–9, and the book's own
+Sphinx extensions (execution status, offline fixes)."""
+import base64
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from turboquant import memory  # noqa: E402
+from turboquant.viz import (best_within, interact, lower_edge, plot_cache_tradeoff,  # noqa: E402
+                            plot_ppl_frontier, plot_window_memory)
+from turboquant.viz.style import figure  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "book" / "_ext"))
+from exec_status import chapter_status  # noqa: E402
+
+
+def _line(a=1, label="x"):
+    fig, ax = figure()
+    ax.plot([0, a])
+    ax.set_title(label)
+    return fig
+
+
+def _shown(monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda *objs, **kw: shown.extend(objs))
+    return shown
+
+
+def test_interact_displays_one_output_with_the_widget_and_the_start_figure(monkeypatch):
+    shown = _shown(monkeypatch)
+    calls = []
+
+    def plot(a=1, label="x"):
+        calls.append((a, label))
+        return _line(a, label)
+
+    open_before = set(plt.get_fignums())
+    w = interact(plot, a=(1, 5), label=["x", "y"], initial={"a": 3, "label": "y"})
+    assert calls == [(3, "y")]                       # drawn once, at the starting values
+    assert w.kwargs == {"a": 3, "label": "y"}
+    bundle = shown[-1]._repr_mimebundle_()
+    assert {"application/vnd.jupyter.widget-view+json", "image/png", "text/plain"} <= set(bundle)
+    png = base64.b64decode(bundle["image/png"])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(getattr(c, "continuous_update", False) is False for c in w.children
+               if hasattr(c, "continuous_update"))
+    assert set(plt.get_fignums()) == open_before     # every figure closed after it was shown
+
+
+def test_interact_starts_where_ipywidgets_would_without_initial(monkeypatch):
+    _shown(monkeypatch)
+    w = interact(_line, a=(1, 5), label=["x", "y"])
+    assert w.kwargs == {"a": 3, "label": "x"}
+
+
+@pytest.mark.parametrize("initial, match", [({"b": 1}, "unknown controls"), ({"a": 9}, "a=9"),
+                                            ({"label": "z"}, "label='z'")])
+def test_interact_refuses_a_start_its_controls_cannot_show(monkeypatch, initial, match):
+    _shown(monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        interact(_line, a=(1, 5), label=["x", "y"], initial=initial)
+
+
+def test_interact_refuses_a_slider_start_between_its_steps(monkeypatch):
+    _shown(monkeypatch)
+    with pytest.raises(ValueError, match="steps are 1.0"):
+        interact(lambda budget: _line(budget), budget=(1.0, 9.0, 0.125), initial={"budget": 4.3})
+    interact(lambda budget: _line(budget), budget=(1.0, 9.0, 0.125), initial={"budget": 4.25})
+
+
+def test_interact_names_the_plot_that_failed_and_keeps_its_error(monkeypatch):
+    _shown(monkeypatch)
+
+    def broken(a=1):
+        raise ZeroDivisionError("no figure")
+
+    open_before = set(plt.get_fignums())
+    with pytest.raises(RuntimeError, match="broken failed to draw") as info:
+        interact(broken, a=(1, 5))
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert set(plt.get_fignums()) == open_before
+
+
+ROWS = [("tq 1", 1.1, 0.7), ("tq 2", 2.1, 0.45), ("fib 2.6", 2.6, 0.33), ("prod 2.2", 2.2, 1.3),
+        ("tq 3", 3.1, 0.26), ("polar 3.9", 3.9, 0.25), ("tq 4", 4.1, 0.14), ("aff 4.5", 4.5, 0.13)]
+
+
+def test_best_within_a_budget():
+    assert best_within(ROWS, 4.25)[0] == "tq 4"
+    assert best_within(ROWS, 2.5)[0] == "tq 2"
+    assert best_within(ROWS, 1.0) is None
+
+
+def test_lower_edge_drops_every_dominated_cache_and_keeps_the_rest():
+    edge = [r[0] for r in lower_edge(ROWS)]
+    assert edge == ["tq 1", "tq 2", "fib 2.6", "tq 3", "polar 3.9", "tq 4", "aff 4.5"]
+    assert "prod 2.2" not in edge
+    assert lower_edge([("a", 1, 1), ("b", 1, 1)]) == [("a", 1, 1), ("b", 1, 1)]   # ties both stay
+
+
+def test_cache_tradeoff_titles_the_best_cache_or_says_none_fits():
+    fig = plot_cache_tradeoff(ROWS, 4.25)
+    assert "tq 4" in fig.axes[0].get_title() and "3.9×" in fig.axes[0].get_title()
+    plt.close(fig)
+    fig = plot_cache_tradeoff(ROWS, 0.5)
+    assert "no cache fits" in fig.axes[0].get_title()
+    plt.close(fig)
+    with pytest.raises(ValueError, match="empty"):
+        plot_cache_tradeoff([], 4)
+
+
+def test_window_memory_labels_are_the_memory_model():
+    fig = plot_window_memory(65536, 4, 16, 4096)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    plt.close(fig)
+    g = memory.PRESETS["bit-axon"]
+    assert f"{memory.kv_cache_bytes(g, 65536, 4, 16) / 1e6:,.1f} MB" in labels[2]   # the preset's own ring
+    assert f"{memory.kv_cache_bytes(g, 65536) / 1e6:,.1f} MB" in labels[1]
+    assert labels[0].startswith("full cache") and "5,368.7 MB" in labels[0]
+
+
+def test_frontier_with_a_budget_circles_and_names_the_best():
+    rows = [("fp32", "reference", 32, 20.0, 0.0), ("a", "f", 4.25, 20.5, 2.5), ("b", "f", 4.5, 20.2, 1.0),
+            ("c", "g", 3.25, 23.0, 15.0)]
+    fig = plot_ppl_frontier(rows, "t", budget=4.25)
+    assert "within 4.25 bits: a" in fig.axes[0].get_title()
+    plt.close(fig)
+    fig = plot_ppl_frontier(rows, "t", budget=2)
+    assert "no configuration within 2 bits" in fig.axes[0].get_title()
+    plt.close(fig)
+
+
+def _nb(tmp_path, cells):
+    p = tmp_path / "nb.ipynb"
+    p.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    return p
+
+
+def _code(start, end, outputs=(), count=1):
+    return {"cell_type": "code", "execution_count": count, "outputs": list(outputs), "source": "x",
+            "metadata": {"execution": {"iopub.execute_input": start, "shell.execute_reply": end}}}
+
+
+def test_chapter_status_reads_execution_stamps(tmp_path):
+    st = chapter_status(_nb(tmp_path, [{"cell_type": "markdown", "source": "# t", "metadata": {}},
+                                       _code("2026-01-01T10:00:00.000Z", "2026-01-01T10:00:01.500Z"),
+                                       _code("2026-01-01T10:00:02.000Z", "2026-01-01T10:00:04.000Z")]))
+    assert st["status"] == "ok" and st["cells"] == 2
+    assert st["seconds"] == pytest.approx(3.5)
+    assert st["last"].isoformat() == "2026-01-01T10:00:04+00:00"
+
+
+def test_chapter_status_flags_errors_and_unexecuted_cells(tmp_path):
+    err = _code("2026-01-01T10:00:00Z", "2026-01-01T10:00:01Z", outputs=[{"output_type": "error"}])
+    assert chapter_status(_nb(tmp_path, [err]))["status"] == "error"
+    fresh = {"cell_type": "code", "execution_count": None, "outputs": [], "source": "x", "metadata": {}}
+    st = chapter_status(_nb(tmp_path, [_code("2026-01-01T10:00:00Z", "2026-01-01T10:00:01Z"), fresh]))
+    assert st["status"] == "not executed"
+
+
+def test_chapter_status_names_a_file_that_is_not_a_notebook(tmp_path):
+    bad = tmp_path / "bad.ipynb"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.ipynb"):
+        chapter_status(bad)
+    stamps = _nb(tmp_path, [_code("yesterday", "2026-01-01T10:00:01Z")])
+    with pytest.raises(ValueError, match="nb.ipynb"):
+        chapter_status(stamps)
+
+
+def test_chapter_status_reads_stamps_without_a_time_zone_as_utc(tmp_path):
+    st = chapter_status(_nb(tmp_path, [_code("2026-01-01T10:00:00", "2026-01-01T10:00:02Z")]))
+    assert st["seconds"] == pytest.approx(2.0) and st["last"].tzinfo is not None
+
+
+def test_every_committed_chapter_ran_cleanly():
+    """What the status page shows for the committed chapters: every one executed, no errors."""
+    for nb in sorted((ROOT / "book").glob("ch*.ipynb")):
+        st = chapter_status(nb)
+        assert st["status"] == "ok", (nb.name, st)
+
+
+def test_the_book_config_loads_nothing_from_a_cdn():
+    """Widgets render as their PNG (no widget manager), MathJax is served locally, Thebe is off."""
+    cfg = (ROOT / "_config.yml").read_text()
+    assert "nb_ipywidgets_js: {}" in cfg
+    assert '["html", "application/vnd.jupyter.widget-view+json", null]' in cfg
+    assert "sphinx-mathjax-offline" in cfg and "offline_book" in cfg
+    assert "references.bib" in cfg and (ROOT / "references.bib").is_file()
