@@ -96,8 +96,11 @@ class Chromium:
                 "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
                 "--proxy-server=http://127.0.0.1:9",
                 f"--user-data-dir={self.profile}", f"--window-size={width},{height}", "about:blank"]
+        # close_fds=False: the dup2'ed 3 and 4 must survive into the child (pass_fds would first
+        # try to mark the parent's own 3 and 4 inheritable, which fails where they are not open);
+        # Python opens every other descriptor non-inheritable, so nothing else leaks.
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, preexec_fn=child_fds, pass_fds=(3, 4))
+                                     stderr=subprocess.DEVNULL, preexec_fn=child_fds, close_fds=False)
         for fd in (to_child_r, from_child_w, hi_r, hi_w):
             os.close(fd)
         self._next_id = 0

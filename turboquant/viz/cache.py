@@ -20,7 +20,9 @@ def lower_edge(rows):
 def plot_cache_tradeoff(rows, budget: float = 4.25, fp16_bits: float = 16.0):
     """Attention-output error against bits per coordinate, one point per cache; the budget as
     a vertical line, the best cache within it circled. ``rows`` = [(label, bits per coordinate
-    measured from the cache's bytes, relative error of the attention output)]."""
+    measured from the cache's bytes, relative error of the attention output)]; points share a
+    colour when their labels agree up to the last space ("turboquant_mse 4.12" → family
+    "turboquant_mse")."""
     if not rows:
         raise ValueError("rows is empty: nothing to plot")
     fig, ax = figure(width=6.8, height=3.8)
