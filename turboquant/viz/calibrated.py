@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cache import best_within
 from .style import COLORS, figure
 
 
@@ -50,9 +51,9 @@ def plot_budget_choice(rows, budget: float = 4.25, title: str = ""):
         ax.scatter([p[2] for p in out], [p[3] for p in out], s=18, color="#bbbbbb", label="over budget")
     if inside:
         ax.scatter([p[2] for p in inside], [p[3] for p in inside], s=24, color=COLORS[0], label="within budget")
-        best = min(inside, key=lambda p: p[3])
-        ax.scatter([best[2]], [best[3]], s=120, facecolors="none", edgecolors=COLORS[1], lw=2)
-        ax.annotate(f"best: {best[0]} ({best[3]:+.2f} %)", (best[2], best[3]), textcoords="offset points",
+        name, bits, inc = best_within([(p[0], p[2], p[3]) for p in inside], budget)
+        ax.scatter([bits], [inc], s=120, facecolors="none", edgecolors=COLORS[1], lw=2)
+        ax.annotate(f"best: {name} ({inc:+.2f} %)", (bits, inc), textcoords="offset points",
                     xytext=(8, -14), fontsize=8, color=COLORS[1])
     ax.axvline(budget, c="k", lw=0.8, ls="--")
     ax.set_yscale("log")

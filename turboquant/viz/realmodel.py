@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cache import best_within
 from .style import COLORS, figure
 
 
@@ -25,12 +26,11 @@ def plot_ppl_frontier(rows, title: str = "", budget: float | None = None):
     ax.set_xlabel("bits per coordinate (K and V averaged, side information included)")
     ax.set_ylabel("perplexity increase over fp32 (%)")
     if budget is not None:
-        fits = [r for r in rows if r[1] != "reference" and r[2] <= budget]
+        best = best_within([(r[0], r[2], r[4]) for r in rows if r[1] != "reference"], budget)
         ax.axvline(budget, c="k", lw=1.0, ls="--")
-        if fits:
-            best = min(fits, key=lambda r: r[4])
-            ax.scatter([best[2]], [max(best[4], 0.01)], s=170, facecolors="none", edgecolors="k", lw=1.2)
-            title = f"{title}\nwithin {budget:g} bits: {best[0]} ({best[2]:.3g} bits) at {best[4]:+.2f} %"
+        if best:
+            ax.scatter([best[1]], [max(best[2], 0.01)], s=170, facecolors="none", edgecolors="k", lw=1.2)
+            title = f"{title}\nwithin {budget:g} bits: {best[0]} ({best[1]:.3g} bits) at {best[2]:+.2f} %"
         else:
             title = f"{title}\nno configuration within {budget:g} bits"
     if title:
