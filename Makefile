@@ -10,7 +10,7 @@ NOTEBOOKS := $(sort $(wildcard book/*.ipynb))
 export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 
-.PHONY: all book test test-unit test-notebooks test-book test-browser model lab gpu-check clean distclean
+.PHONY: all book test test-times-reset test-unit test-notebooks test-book test-browser model lab gpu-check clean distclean
 
 all: test
 
@@ -49,24 +49,38 @@ book: model
 	$(BIN)/jupyter-book build --all -W -n --keep-going .
 	@echo "book: $(CURDIR)/_build/html/index.html"
 
-test: test-unit test-notebooks test-book test-browser
+# Each part appends its wall time to _build/test-times.txt; make test prints them at the end,
+# with pytest's slowest tests above, so the cost of what you add is visible.
+TIMES := _build/test-times.txt
+TIMED  = @mkdir -p _build; start=$$(date +%s); trap 'echo "$@ $$(( $$(date +%s) - start )) s" >> $(TIMES)' EXIT;
+
+test: test-times-reset test-unit test-notebooks test-book test-browser
+	@echo "make test: wall time per part"; cat $(TIMES)
+
+test-times-reset:
+	@mkdir -p _build; rm -f $(TIMES)
 
 test-unit: model
-	$(BIN)/python -m pytest -q -m "not browser" tests
+	$(TIMED) $(BIN)/python -m pytest -q -m "not browser" --durations=15 tests
 
+# nbval re-runs every chapter under a *foreign* configuration (turboquant.machine.FOREIGN_ENV:
+# MKL's and NumPy's AVX2 paths, the AVX2 build of the CPU kernels, mlx's compiler off), while
+# the stored outputs come from a native run (make book): an output that holds only on the
+# machine that wrote it fails here, not on the next reader's machine. NATIVE=1 runs natively.
 test-notebooks: model
-	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
+	$(TIMED) $(BIN)/python $(if $(NATIVE),,-m turboquant.machine --foreign $(BIN)/python) \
+	  -m pytest -q -p no:cacheprovider --durations=10 --nbval --nbval-current-env \
 	  --nbval-sanitize-with book/sanitize.cfg book
 
 test-book: $(STAMP)
-	$(BIN)/jupyter-book build --all -W -n --keep-going .
+	$(TIMED) $(BIN)/jupyter-book build --all -W -n --keep-going .
 
 # Every page of a freshly built book (test-book runs first) in headless Chromium with the
 # network blocked: maths typeset, images decoded, widget figures shown, no console errors or
 # failed requests (tests/test_browser.py). Skips with a message where Chromium is missing;
 # screenshots and a JSON report go to _build/browser/.
 test-browser: test-book
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m browser tests/test_browser.py
+	$(TIMED) $(BIN)/python -m pytest -q -p no:cacheprovider -m browser tests/test_browser.py
 
 # The chapters in JupyterLab, to run them and move the widgets (--allow-root: CI-like
 # machines run as root; it changes nothing elsewhere).

@@ -21,6 +21,7 @@ import functools
 import http.server
 import json
 import os
+import platform
 import queue
 import shutil
 import subprocess
@@ -32,15 +33,25 @@ from pathlib import Path
 __all__ = ["find_chromium", "Book", "Chromium", "check_page", "PAGE_CHECK_JS"]
 
 
-def find_chromium() -> str | None:
+# macOS keeps browsers in application bundles, not on PATH
+MAC_BROWSERS = ("/Applications/Chromium.app/Contents/MacOS/Chromium",
+                "/Applications/Google Chrome.app/Contents/MacOS/Google Chrome")
+
+
+def find_chromium(system: str | None = None) -> str | None:
     """The Chromium (or Chrome) executable: ``$TURBOQUANT_CHROMIUM``, else the first of
-    chromium, chromium-browser, google-chrome on PATH; ``None`` when there is none."""
+    chromium, chromium-browser, google-chrome on PATH, else (macOS) the Chromium or Chrome
+    application; ``None`` when there is none."""
     exe = os.environ.get("TURBOQUANT_CHROMIUM")
     if exe:
         return exe if shutil.which(exe) else None
     for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
         if shutil.which(name):
             return shutil.which(name)
+    if (system or platform.system()) == "Darwin":
+        for app in MAC_BROWSERS:
+            if os.access(app, os.X_OK):
+                return app
     return None
 
 

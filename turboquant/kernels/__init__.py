@@ -169,11 +169,13 @@ _WHY = {}
 
 @lru_cache(maxsize=1)
 def fast_cpu_backend():
-    """The CPU back-end (``turboquant.kernels.cpu``), built on first use and adopted after
-    its self-check; None (with one warning saying why) without a C++ compiler or when the
-    build or the check fails."""
-    from .cpu import CpuKernels, self_check as cpu_check
+    """The CPU back-end (``turboquant.kernels.cpu``), built on first use for the ``-march``
+    of ``cpu.env_arch()`` (``TURBOQUANT_CPU_ARCH``, default "native") and adopted after its
+    self-check; None (with one warning saying why) without a C++ compiler or when the build
+    or the check fails."""
+    from .cpu import CpuKernels, env_arch, self_check as cpu_check
     from .emulate import compiler
+    arch = env_arch()
     cxx = compiler()
     if cxx is None:
         _WHY["cpu"] = "no C++ compiler (set $CXX or install g++)"
@@ -181,7 +183,7 @@ def fast_cpu_backend():
                       "from codes runs on the slower mx path", RuntimeWarning, stacklevel=3)
         return None
     try:
-        backend = CpuKernels(cxx)
+        backend = CpuKernels(cxx, arch)
         problem = cpu_check(backend)
     except Exception as e:                                   # compile or load failure
         backend, problem = None, f"{type(e).__name__}: {e}"
@@ -190,7 +192,8 @@ def fast_cpu_backend():
         warnings.warn(f"turboquant: the CPU kernels were not adopted ({problem}); using the mx "
                       "path. Please report this.", RuntimeWarning, stacklevel=3)
         return None
-    _WHY["cpu"] = f"built for this CPU ({backend.isa}) at {backend.path}, self-check passed"
+    target = "this CPU" if arch == "native" else f"-march={arch} (TURBOQUANT_CPU_ARCH)"
+    _WHY["cpu"] = f"built for {target} ({backend.isa}) at {backend.path}, self-check passed"
     return backend
 
 

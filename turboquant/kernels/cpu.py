@@ -30,9 +30,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["CpuKernels", "build", "self_check", "machine_signature", "SOURCE"]
+__all__ = ["CpuKernels", "build", "self_check", "machine_signature", "env_arch", "compile_attempts", "SOURCE", "ARCH_ENV"]
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
+ARCH_ENV = "TURBOQUANT_CPU_ARCH"
+# -march values that name the SIMD branches of cpu.cpp on x86-64 (AVX-512, AVX2, portable);
+# any other value is passed to the compiler as it is (e.g. "armv8.2-a" on arm64)
+X86_BRANCHES = {"x86-64-v4": "AVX-512", "x86-64-v3": "AVX2", "x86-64": "portable"}
 FLAGS = ["-std=c++17", "-O3", "-shared", "-fPIC", "-Wall", "-Wextra"]
 
 
@@ -53,6 +57,18 @@ def machine_signature() -> str:
     return "\n".join(sig)
 
 
+def env_arch() -> str:
+    """``TURBOQUANT_CPU_ARCH``: the ``-march`` the CPU kernels are built for, "native" by
+    default. "x86-64-v3" forces the AVX2 branch and "x86-64" the portable one, so a machine
+    with AVX-512 can reproduce what an AVX2-only machine computes (``make test`` does, for
+    the notebooks). A value the compiler refuses builds the portable branch instead
+    (``CpuKernels.isa`` says which branch runs)."""
+    arch = os.environ.get(ARCH_ENV, "native").strip() or "native"
+    if not all(ch.isalnum() or ch in "-_.+" for ch in arch):
+        raise ValueError(f"{ARCH_ENV} must be a -march value such as native, x86-64-v3 or x86-64, got {arch!r}")
+    return arch
+
+
 def _cache_dir() -> Path:
     from ..models import cache_root
     d = cache_root() / "kernels"
@@ -60,18 +76,36 @@ def _cache_dir() -> Path:
     return d
 
 
+def compile_attempts(arch: str = "native", system: str | None = None, machine: str | None = None) -> list[list[str]]:
+    """The flag sets ``build`` tries in order, until one compiles, for a platform
+    (``platform.system()``/``machine()`` by default; the tests pass others). Linux and other
+    Unix: ``-march=arch`` with OpenMP, then without OpenMP (one thread), then both again
+    without ``-march`` (the portable branch). macOS: Apple clang has no ``-fopenmp`` and no
+    ``-march`` for arm64, so ``-mcpu=native`` on arm64 (``-march`` on Intel Macs), then
+    nothing; one thread."""
+    system = system or platform.system()
+    machine = (machine or platform.machine()).lower()
+    quiet = "-Wno-unknown-pragmas"                      # the OpenMP pragmas, without OpenMP
+    if system == "Darwin":
+        target = [f"-mcpu={arch}"] if machine in ("arm64", "aarch64") else [f"-march={arch}"]
+        return [FLAGS + target + [quiet], FLAGS + [quiet]]
+    return [FLAGS + [f"-march={arch}", "-fopenmp"], FLAGS + [f"-march={arch}", quiet],
+            FLAGS + ["-fopenmp"], FLAGS + [quiet]]
+
+
 def build(cxx: str, arch: str = "native") -> tuple[Path, str]:
     """Compile ``cpu.cpp`` with ``cxx`` once per (source, compiler, CPU, ``arch``): (library
     path, the compiler's messages, empty when it was already built). ``arch`` is the
     ``-march`` value: "native" (this CPU: what the package uses); the tests also build
-    "x86-64-v3" (AVX2, no AVX-512) and "x86-64" (the portable branch) to check every branch."""
+    "x86-64-v3" (AVX2, no AVX-512) and "x86-64" (the portable branch) to check every branch.
+    The flag sets tried are ``compile_attempts(arch)``."""
     text = SOURCE.read_text()
-    flags = FLAGS + [f"-march={arch}"]
+    attempts = compile_attempts(arch)
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    digest = hashlib.sha256("\0".join([text, cxx, version, " ".join(flags), machine_signature()]).encode())
+    digest = hashlib.sha256("\0".join([text, cxx, version, " ".join(attempts[0]), machine_signature()]).encode())
     so = _cache_dir() / f"cpu-{digest.hexdigest()[:20]}.so"
     if so.exists():
         return so, ""
@@ -79,17 +113,14 @@ def build(cxx: str, arch: str = "native") -> tuple[Path, str]:
     os.close(fd)
     tmp = Path(tmp)
     messages = []
-    # without OpenMP: one thread; without -march (compilers that lack it for this target,
-    # e.g. Apple clang on arm64): the portable branch
-    for extra in (["-fopenmp"], ["-Wno-unknown-pragmas"], ["-fopenmp", "NO-MARCH"], ["-Wno-unknown-pragmas", "NO-MARCH"]):
-        use = [f for f in flags if not (f.startswith("-march") and "NO-MARCH" in extra)]
+    for flags in attempts:
         try:
-            proc = subprocess.run([cxx, *use, *[e for e in extra if e != "NO-MARCH"], str(SOURCE), "-o", str(tmp)],
-                                  capture_output=True, text=True, timeout=600)
+            proc = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                                  timeout=600)
         except subprocess.TimeoutExpired:
             tmp.unlink(missing_ok=True)
             raise RuntimeError(f"compiling {SOURCE.name} took more than 10 minutes") from None
-        messages.append(f"{' '.join(extra)}: {'ok' if not proc.returncode else 'failed'}")
+        messages.append(f"{' '.join(flags[len(FLAGS):])}: {'ok' if not proc.returncode else 'failed'}")
         if not proc.returncode:
             break
     if proc.returncode:
