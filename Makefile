@@ -60,16 +60,24 @@ test: test-times-reset test-unit test-notebooks test-book test-browser
 test-times-reset:
 	@mkdir -p _build; rm -f $(TIMES)
 
+# Unit tests and notebooks run in $(JOBS) pytest-xdist workers (whole files or notebooks per
+# worker, so a module's model fixture loads once), each with one BLAS/OpenMP thread so that
+# JOBS workers use JOBS cores, no more. JOBS=1 runs them in one process.
+JOBS ?= 2
+XDIST = $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadfile,)
+ONE_THREAD = OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+
 test-unit: model
-	$(TIMED) $(BIN)/python -m pytest -q -m "not browser" --durations=15 tests
+	$(TIMED) $(ONE_THREAD) $(BIN)/python -m pytest -q -m "not browser" $(XDIST) --durations=15 tests
 
 # nbval re-runs every chapter under a *foreign* configuration (turboquant.machine.FOREIGN_ENV:
-# MKL's and NumPy's AVX2 paths, the AVX2 build of the CPU kernels, mlx's compiler off), while
+# MKL's and NumPy's AVX2 paths, the AVX2 build of the CPU kernels, mlx's compiler off; one
+# thread per worker), while
 # the stored outputs come from a native run (make book): an output that holds only on the
 # machine that wrote it fails here, not on the next reader's machine. NATIVE=1 runs natively.
 test-notebooks: model
-	$(TIMED) $(BIN)/python $(if $(NATIVE),,-m turboquant.machine --foreign $(BIN)/python) \
-	  -m pytest -q -p no:cacheprovider --durations=10 --nbval --nbval-current-env \
+	$(TIMED) $(ONE_THREAD) $(BIN)/python $(if $(NATIVE),,-m turboquant.machine --foreign $(BIN)/python) \
+	  -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 --nbval --nbval-current-env \
 	  --nbval-sanitize-with book/sanitize.cfg book
 
 test-book: $(STAMP)

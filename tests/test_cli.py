@@ -18,8 +18,9 @@ def test_eval_lists_and_runs_a_small_comparison(tmp_path, capsys):
     assert cli.main(["eval", "--list"]) == 0
     assert "budget K4/V4" in capsys.readouterr().out
     out = tmp_path / "r.json"
-    assert cli.main(["eval", "--configs", "TQ-mse 2", "--tokens", "512", "--agreement-tokens", "4",
-                     "--fidelity-tokens", "64", "--needle-contexts", "256", "--quiet", "--out", str(out)]) == 0
+    assert cli.main(["eval", "--configs", "TQ-mse 2", "--tokens", "256", "--window", "256", "--agreement-tokens", "4",
+                     "--fidelity-tokens", "32", "--needle-contexts", "256", "--needle-values", "1", "--quiet",
+                     "--out", str(out)]) == 0
     res = json.loads(out.read_text())["results"]
     assert set(res) == {"fp32", "TQ-mse 2"}
     assert res["TQ-mse 2"]["ppl"] > res["fp32"]["ppl"] and res["TQ-mse 2"]["bits"] == 2.25

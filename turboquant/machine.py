@@ -81,8 +81,9 @@ def compile_defect() -> dict:
     """Run Chapter 3's smallest reproduction of the mlx compiler defect here:
     ``(w >> 1) & 63`` on uint32, eagerly and under ``mx.compile``. → {"eager", "compiled",
     "reproduced": whether the compiled result is wrong on this machine, "compile_enabled"}.
-    Seen with mlx 0.32.4 on an AMD EPYC with AVX-512 (compiled: [0, 0, 0]) and not on one
-    with AVX2 only; the package never compiles bit unpacking, whatever this returns."""
+    Seen with mlx 0.32.4 on one AMD EPYC with AVX-512 (compiled: [0, 0, 0]), not on one
+    with AVX2 only nor on another with AVX-512; the package never compiles bit unpacking,
+    whatever this returns."""
     w = mx.array([1000, 1002, 255], dtype=mx.uint32)
     fn = lambda w: (w >> 1) & 63                                  # noqa: E731
     eager, compiled = fn(w).tolist(), mx.compile(fn)(w).tolist()
