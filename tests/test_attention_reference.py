@@ -24,3 +24,11 @@ def test_metrics():
     assert relative_error(a * 1.1, a) == pytest.approx(0.1, rel=1e-5)
     with pytest.raises(ValueError, match="shape"):
         reference_attention(a, a, a)
+
+
+def test_codes_attention_refuses_what_is_not_a_model():
+    import pytest as _pytest
+    from turboquant.attention import codes_attention
+    with _pytest.raises(TypeError, match="needs an mlx-lm model"):
+        with codes_attention(None):
+            pass

@@ -147,3 +147,21 @@ def test_the_ring_fits_codecs_that_learn(layer, make):
     out = layer(x, cache=cache)
     ref = full_sequence_attention(layer, x)
     assert cache.key_codec.fitted and mx.mean(cosine_similarity(out, ref)).item() > 0.95
+
+
+@pytest.mark.parametrize("field, value", [("window", 2.5), ("window", float("nan")), ("window", 0), ("chunk", -4),
+                                          ("n_layers", True), ("head_dim", 0)])
+def test_config_refuses_sizes_that_are_not_positive_ints(field, value):
+    """Issue #26.11: window=nan used to give all-NaN outputs."""
+    args = dict(hidden=256, n_heads=4, head_dim=64, window=64, chunk=16, n_layers=1)
+    args[field] = value
+    with pytest.raises(ValueError, match=field):
+        SWAConfig(**args)
+
+
+def test_window_attention_refuses_a_zero_window_or_chunk():
+    from turboquant.bitaxon import window_attention
+    q = mx.zeros((1, 1, 2, 8))
+    for kw in (dict(window=0, chunk=4), dict(window=4, chunk=0)):
+        with pytest.raises(ValueError, match="window|chunk"):
+            window_attention(q, q, q, None, scale=1.0, **kw)

@@ -215,6 +215,44 @@ def test_corrupt_truncated_and_foreign_files_raise(tmp_path, llama):
     assert good.read_bytes() == data                 # failed loads never touch the file
 
 
+@pytest.mark.parametrize("version", ["1", "true", "1.0", '"2"'])
+def test_the_file_cannot_switch_its_checksum_off(tmp_path, llama, version):
+    """Issue #26.3: a header that claims version 1 (or a version that only looks like an
+    int) used to skip the SHA-256 check, so tampered tensors loaded."""
+    cache = make_prompt_cache(llama, key_codec=lambda d: TurboQuantMSE(d, 4))
+    run(llama, cache, tokens(20), [20])
+    good = tmp_path / "good.safetensors"
+    save_prompt_cache(good, cache)
+    arrays, meta = mx.load(str(good), return_metadata=True)
+    arrays["0.k.norm"] = arrays["0.k.norm"] * 2                      # tampered tensors
+    meta["turboquant"] = meta["turboquant"].replace('"version": 2', f'"version": {version}')
+    mx.save_safetensors(str(tmp_path / "t.safetensors"), arrays, meta)
+    with pytest.raises(ValueError, match="version"):
+        load_prompt_cache(tmp_path / "t.safetensors")
+    del meta["turboquant_sha256"]                                    # stripped as well: a real v1 file?
+    mx.save_safetensors(str(tmp_path / "t1.safetensors"), arrays, meta)
+    if version == "1":                                               # no v2 field left: read as v1
+        assert load_prompt_cache(tmp_path / "t1.safetensors")[0].offset == 20
+    else:
+        with pytest.raises(ValueError, match="version"):
+            load_prompt_cache(tmp_path / "t1.safetensors")
+
+
+def test_non_finite_norms_are_refused(tmp_path, llama):
+    cache = make_prompt_cache(llama, key_codec=lambda d: TurboQuantMSE(d, 4))
+    run(llama, cache, tokens(20), [20])
+    good = tmp_path / "good.safetensors"
+    save_prompt_cache(good, cache)
+    arrays, meta = mx.load(str(good), return_metadata=True)
+    arrays["1.v.norm"] = mx.where(mx.arange(arrays["1.v.norm"].shape[2])[:, None] == 3, mx.inf,
+                                  arrays["1.v.norm"]).astype(arrays["1.v.norm"].dtype)
+    from turboquant.prompt_cache import content_digest
+    meta["turboquant_sha256"] = content_digest(meta["turboquant"], arrays)   # a consistent checksum
+    mx.save_safetensors(str(tmp_path / "inf.safetensors"), arrays, meta)
+    with pytest.raises(ValueError, match="Inf or NaN"):
+        load_prompt_cache(tmp_path / "inf.safetensors")
+
+
 @pytest.mark.parametrize("kc, vc, fp_window, sinks", [
     (lambda d: TurboQuantMSE(d, 4), lambda d: TurboQuantMSE(d, 2), 0, 0),
     (lambda d: TurboQuantMSE(d, 3), lambda d: TurboQuantMSE(d, 8), 0, 0),

@@ -102,3 +102,40 @@ def test_bench_decode_command(capsys, tmp_path):
     slow = [r[5] for r in result["rows"]]                      # dequantize column: timed at T = 64 only
     assert all(math.isfinite(v) for v in slow[:4]) and all(v is None for v in slow[4:])   # strict JSON: null
     assert result["bandwidth_gb_s"] > 0
+
+
+def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
+    """Issue #26.7: a bad --out or --save-cache used to fail after the whole run."""
+    import time
+    t = time.perf_counter()
+    assert cli.main(["eval", "--configs", "TQ-mse 2", "--tokens", "512", "--out", str(tmp_path)]) == 1
+    assert "is a folder" in capsys.readouterr().err
+    assert cli.main(["generate", "--model", "smollm2-135m", "--prompt", "Hi", "--max-tokens", "2",
+                     "--save-cache", str(tmp_path / "nodir" / "f.safetensors")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert time.perf_counter() - t < 30                  # refused before loading a model or scoring
+    assert list(tmp_path.iterdir()) == []                # and no temporary left behind
+
+
+def test_save_prompt_cache_refuses_a_folder_and_leaves_no_temporary(tmp_path):
+    import pytest as _pytest
+    from turboquant.cache import TurboQuantKVCache
+    from turboquant.codecs import TurboQuantMSE
+    from turboquant.prompt_cache import save_prompt_cache
+    import mlx.core as mx
+    c = TurboQuantKVCache(TurboQuantMSE(16, 4))
+    k = mx.random.normal((1, 2, 5, 16), key=mx.random.key(0))
+    c.update_and_fetch(k, k)
+    (tmp_path / "d").mkdir()
+    with _pytest.raises(ValueError, match="is a folder"):
+        save_prompt_cache(tmp_path / "d", [c])
+    with _pytest.raises(ValueError, match="does not exist"):
+        save_prompt_cache(tmp_path / "nodir" / "c.safetensors", [c])
+    assert [p.name for p in tmp_path.iterdir()] == ["d"] and list((tmp_path / "d").iterdir()) == []
+
+
+def test_overwrite_without_save_cache_is_an_error(capsys):
+    import pytest as _pytest
+    with _pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", "smollm2-135m", "--prompt", "Hi", "--overwrite"])
+    assert e.value.code == 2 and "--overwrite applies to --save-cache" in capsys.readouterr().err

@@ -191,6 +191,7 @@ def test_generation_through_kernels_matches_mx_path(emu):
 
 @needs_cxx
 def test_bitaxon_ring_through_kernels_matches_mx_path(emu):
+    mx.random.seed(0)                                  # the layer's weights, whatever ran before
     layer = SWAttention(SMALL)
     x = mx.random.normal((1, 100, SMALL.hidden), key=mx.random.key(8))
     outs = []
@@ -198,7 +199,11 @@ def test_bitaxon_ring_through_kernels_matches_mx_path(emu):
         with kernels.use(backend):
             cache = QuantizedSWACache(SMALL.window, TurboQuantMSE(SMALL.head_dim, 4))
             outs.append(mx.concatenate([layer(x[:, :70], cache)] + [layer(x[:, i:i + 1], cache) for i in range(70, 100)], 1))
-    assert mx.abs(outs[0] - outs[1]).max().item() < 1e-5
+    # The kernels' encode sums the rotation in another order: a coordinate within float
+    # rounding of a threshold may take the neighbouring level (seen once in a fresh clone:
+    # 1.7e-4), so the guarantee is "equal up to such a flip", not "equal to 1e-5".
+    diff = mx.abs(outs[0] - outs[1])
+    assert diff.max().item() < 1e-3 and mx.mean(diff < 1e-5).item() > 0.9
     exact = full_sequence_attention(layer, x)
     assert mx.min(cosine_similarity(outs[1], exact)).item() > 0.95
 

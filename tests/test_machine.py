@@ -109,3 +109,11 @@ def test_chromium_is_found_in_a_mac_application_bundle(monkeypatch):
     monkeypatch.setattr(browser.os, "access", lambda path, mode: path == app)
     assert browser.find_chromium("Darwin") == app
     assert browser.find_chromium("Linux") is None
+
+
+def test_below_prints_the_guarantee_not_the_last_ulp():
+    from turboquant.viz import below
+    assert below(1.6e-7) == below(2.1e-7) == "< 1e-06"          # the two machines of issue #25
+    assert below(3e-6, 1e-5) == "< 1e-05" and below(2e-5, 1e-5) == "2e-05"
+    assert below(1.5) == "1.5" and below(-1e-9) == "< 1e-06"
+    assert below(float("nan")) == "nan"                          # never a pass for NaN

@@ -174,3 +174,15 @@ def test_outliers_beyond_fp16_are_refused():
     c = TransformCoder.calibrate(anisotropic(heads=1), 3.0, outliers=1)
     with pytest.raises(ValueError, match="fp16's range"):
         c.encode(mx.full((1, 4, D), 1e6))
+
+
+def test_kind_is_checked():
+    """Issue #26.11: TransformCoder(kind="foo") used to be accepted."""
+    import pytest as _pytest
+    good = TransformCoder.example(8)
+    cfg = dict(good.config())
+    for k in ("codec", "dim"):
+        cfg.pop(k, None)
+    cfg["kind"] = "foo"
+    with _pytest.raises(ValueError, match="kind must be one of"):
+        TransformCoder(8, **cfg)

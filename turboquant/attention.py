@@ -261,6 +261,8 @@ def codes_attention(model):
     from .cache import returning_codes
     from .codes import CodesView
     from .memory import cache_count
+    if not callable(model):
+        raise TypeError(f"codes_attention needs an mlx-lm model, got {type(model).__name__}")
     n_layers = cache_count(model) if hasattr(model, "layers") else None
 
     def wrap(original):

@@ -30,6 +30,7 @@ import mlx.nn as nn
 
 from .attention import attention_from_codes, reference_attention
 from .cache import TurboQuantRotatingKVCache
+from .checks import check_int
 from .codes import CodesView
 from .checks import check_int
 from .codecs.base import Codec
@@ -51,11 +52,10 @@ class SWAConfig:
     n_layers: int = 8
 
     def __post_init__(self):
+        for f in ("hidden", "n_heads", "head_dim", "window", "chunk", "n_layers"):
+            check_int(f, getattr(self, f), 1)          # 2.5, nan, True, 0 and negatives are refused
         if self.n_heads * self.head_dim != self.hidden:
             raise ValueError(f"n_heads × head_dim must equal hidden: {self.n_heads}×{self.head_dim} != {self.hidden}")
-        for f in ("window", "chunk", "n_layers"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
 
 
 BIT_AXON = SWAConfig()
@@ -194,6 +194,7 @@ def window_attention(q: mx.array, k: mx.array, v: mx.array, cache, window: int, 
     The number of held keys is read from ``cache.k.shape[2]`` *before* the update, as
     upstream does; the cache returns held + new keys (or their codes); queries attend in
     chunks of ``chunk`` with the mask i − W < j ≤ i built from absolute positions."""
+    window, chunk = check_int("window", window, 1), check_int("chunk", chunk, 1)
     T = q.shape[2]
     n_prev = 0 if cache is None or cache.k is None else cache.k.shape[2]
     start = 0 if cache is None else cache.offset

@@ -2,9 +2,12 @@
 of turboquant)."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 
-__all__ = ["check_int"]
+__all__ = ["check_int", "check_out_file"]
 
 
 def check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
@@ -17,3 +20,24 @@ def check_int(name: str, value, lo: int | None = None, hi: int | None = None) ->
         span = f"in {lo}..{hi}" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
         raise ValueError(f"{name} must be an int {span}, got {value}")
     return value
+
+
+def check_out_file(path, what: str = "output file", overwrite: bool = True, make_parents: bool = False) -> Path:
+    """Check where a file will be written *before* the work that produces it: not a folder,
+    not an existing file unless ``overwrite``, in a folder that exists (or, with
+    ``make_parents``, can be created) and is writable. Raises ``ValueError`` naming it."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"{what}: expected a file path, got {path!r}")
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder: give a file name inside it")
+    if path.exists() and not overwrite:
+        raise ValueError(f"{what} {path} exists (pass --overwrite to replace it)")
+    parent = path.parent
+    while make_parents and not parent.exists() and parent != parent.parent:
+        parent = parent.parent                   # the nearest folder that exists
+    if not parent.is_dir():
+        raise ValueError(f"{what} {path}: the folder {path.parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path}: the folder {parent} is not writable")
+    return path

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from . import memory
+from .checks import check_out_file
 
 
 def _int_at_least(lo: int):
@@ -106,7 +107,9 @@ def _load_for_generation(args):
 def _generate(args) -> int:
     from .generate import generate_text, report
     from .prompt_cache import save_prompt_cache
-    if args.save_cache and Path(args.save_cache).exists() and not args.overwrite:
+    if args.overwrite and not args.save_cache:
+        args.parser.error("--overwrite applies to --save-cache, which was not given")
+    if args.save_cache and Path(args.save_cache).exists() and not args.overwrite and not Path(args.save_cache).is_dir():
         args.parser.error(f"{args.save_cache} exists: pass --overwrite to replace it")
     model, tok, cache = _load_for_generation(args)
     ids = tok.encode(args.prompt, add_special_tokens=args.load_cache is None)
@@ -436,6 +439,11 @@ def main(argv=None) -> int:
     args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c,
                    "bench": b}[args.command]
     try:
+        # where results go is checked before the work that produces them
+        if getattr(args, "save_cache", None):
+            check_out_file(args.save_cache, "--save-cache", overwrite=True)
+        if getattr(args, "out", None):
+            check_out_file(args.out, "--out", make_parents=True)
         return args.run(args)
     except (ValueError, TypeError, FileNotFoundError) as e:   # bad input: one line, no traceback
         print(f"turboquant {args.command}: error: {e}", file=sys.stderr)

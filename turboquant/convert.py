@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["unpermute_qk", "convert_gguf", "HF_NAMES", "GEMMA3_NAMES", "GEMMA_CHAT_TEMPLATE"]
+__all__ = ["unpermute_qk", "convert_gguf", "check_out_dir", "written_here", "HF_NAMES", "GEMMA3_NAMES", "GEMMA_CHAT_TEMPLATE"]
 
 # llama.cpp tensor names (per block) → Hugging Face llama names.
 HF_NAMES = {
@@ -230,12 +230,36 @@ def _gemma_tokenizer(reader, out: Path, config: dict) -> None:
     tok.save_pretrained(str(out))
 
 
+def written_here(folder: str | os.PathLike) -> bool:
+    """True when ``folder`` is a model folder ``convert_gguf`` wrote (its ``source.json``
+    names the GGUF it came from): the only kind of non-empty folder it may replace."""
+    try:
+        src = json.loads((Path(folder) / "source.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(src, dict) and "gguf" in src and "bytes" in src
+
+
+def check_out_dir(out_dir: str | os.PathLike) -> Path:
+    """Refuse an output folder that holds anything this package did not write: a user's
+    folder is never emptied. → the folder as a Path."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file, not a folder: choose a new or empty folder for the model")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not written_here(out_dir):
+        raise ValueError(f"{out_dir} is not empty and is not a model folder turboquant wrote (no source.json "
+                         "from a conversion): nothing was changed; choose a new or empty folder")
+    return out_dir
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True) -> Path:
-    """Convert a llama GGUF file into an mlx-lm loadable folder ``out_dir`` (created
-    atomically; an existing folder is replaced only after the new one is complete)."""
+    """Convert a llama GGUF file into an mlx-lm loadable folder ``out_dir``, written into a
+    temporary sibling and renamed into place when complete. ``out_dir`` must be new, empty
+    or a model folder this function wrote (``check_out_dir``): anything else is refused
+    before any work, so a user's folder is never emptied."""
     import gguf
     from safetensors.numpy import save_file
-    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    gguf_path, out_dir = Path(gguf_path), check_out_dir(out_dir)
     if not gguf_path.is_file():
         raise ValueError(f"GGUF file not found: {gguf_path}")
     reader = gguf.GGUFReader(str(gguf_path))
@@ -253,10 +277,15 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
         else:
             _llama_tokenizer(reader, tmp, config)
         (tmp / "source.json").write_text(json.dumps(
-            {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size}, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
+            {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size, "writer": "turboquant"}, indent=2))
+        check_out_dir(out_dir)                     # again: the folder may have changed meanwhile
+        old = None
+        if out_dir.exists():                       # an earlier conversion: set aside, then dropped
+            old = Path(tempfile.mkdtemp(prefix=out_dir.name + ".old-", dir=out_dir.parent))
+            os.replace(out_dir, old / out_dir.name)
         os.replace(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -13,6 +13,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from .cache import TurboQuantKVCache, TurboQuantRotatingKVCache
+from .checks import check_out_file
 from .codecs.base import Codec, check_int, from_config
 from .codecs.spec import CodecSpec, codec_pair
 from .memory import cache_count, geometry_from_model
@@ -227,10 +228,14 @@ def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None) -> Non
                     arrays[f"{i}.{group}.{name}"] = a
         layers.append(c.meta_state)
     header = json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "layers": layers, "user": metadata or {}})
-    path = Path(path)
+    path = check_out_file(path, "cache file")
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.safetensors")
-    mx.save_safetensors(str(tmp), arrays, {"turboquant": header, "turboquant_sha256": content_digest(header, arrays)})
-    os.replace(tmp, path)
+    try:
+        mx.save_safetensors(str(tmp), arrays, {"turboquant": header, "turboquant_sha256": content_digest(header, arrays)})
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)              # no temporary left behind, whatever failed
+        raise
 
 
 def load_prompt_cache(path, return_metadata: bool = False, model=None):
@@ -283,13 +288,18 @@ def _load_turboquant_layout(path, arrays, meta):
     if header.get("format") != FORMAT:
         raise ValueError(f"{path}: unknown format {header.get('format')!r}")
     version = header.get("version")
-    if version not in (1, FORMAT_VERSION):
-        raise ValueError(f"{path}: format version {version!r}, this turboquant reads 1..{FORMAT_VERSION}")
+    if type(version) is not int or version not in (1, FORMAT_VERSION):   # not True, 1.0 or "2"
+        raise ValueError(f"{path}: format version {version!r}, this turboquant reads the integers 1..{FORMAT_VERSION}")
+    if version == 1 and "turboquant_sha256" in meta:
+        raise ValueError(f"{path}: says format version 1 but carries a version-2 checksum: the header was changed")
     if version >= 2:
         if "turboquant_sha256" not in meta:
             raise ValueError(f"{path}: the checksum (turboquant_sha256) is missing")
         if content_digest(meta["turboquant"], arrays) != meta["turboquant_sha256"]:
             raise ValueError(f"{path}: checksum mismatch: the header or a tensor was changed or damaged")
+    for name, a in arrays.items():              # codes never hold Inf or NaN (encode refuses them)
+        if mx.issubdtype(a.dtype, mx.floating) and not mx.all(mx.isfinite(a)).item():
+            raise ValueError(f"{path}: tensor {name!r} holds Inf or NaN values: the file is damaged")
     layers, user = header.get("layers"), header.get("user", {})
     if not isinstance(layers, list):
         raise ValueError(f"{path}: 'layers' must be a list of layer settings, got {type(layers).__name__}")

@@ -143,7 +143,10 @@ class TransformCoder(Codec):
         alloc = [check_int("alloc entry", b, 0, 8) for b in alloc]
         if len(alloc) != self.dim or any(a < b for a, b in zip(alloc, alloc[1:])):
             raise ValueError(f"alloc must be {self.dim} non-increasing ints in 0..8, got {alloc!r}")
-        self.alloc, self.kind = alloc, str(kind)
+        kinds = TRANSFORMS + tuple(f"{t}+metric" for t in TRANSFORMS)
+        if kind not in kinds:
+            raise ValueError(f"kind must be one of {kinds}, got {kind!r}")
+        self.alloc, self.kind = alloc, kind
         self.outliers = check_int("outliers", outliers, 0, self.dim)
         self.mean = self._array("mean", mean, 2)
         self.heads = self.mean.shape[0]

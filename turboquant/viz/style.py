@@ -101,6 +101,16 @@ def interact(plot_fn, /, *, initial: dict | None = None, **controls):
     return w
 
 
+def below(value: float, bound: float = 1e-6) -> str:
+    """A measured difference as what it guarantees: ``"< 1e-06"`` when it is under
+    ``bound``, else the value (2 significant digits). Float32 round-off differences below
+    the bound change with the CPU, BLAS path and summation order; the verdict does not."""
+    value = float(value)
+    if value != value:                                   # NaN: never "below"
+        return "nan"
+    return f"< {bound:.0e}" if abs(value) < bound else f"{value:.2g}"
+
+
 def table(rows, headers, floatfmt: str = ".4g") -> str:
     """A plain-text table (monospace columns) for printing measured results."""
     def fmt(v):
