@@ -28,10 +28,26 @@ def test_simd_level_of_this_machine_is_one_of_the_named_levels():
 
 
 def test_foreign_env_is_x86_specific_where_it_must_be():
-    x86 = machine.foreign_env("x86_64")
+    npy = {"X86_V3": True, "X86_V4": True, "AVX512_ICL": True, "AVX512_SPR": False}
+    x86 = machine.foreign_env("x86_64", {"avx2", "avx512f"}, npy)
     assert x86["MKL_ENABLE_INSTRUCTIONS"] == "AVX2" and x86["TURBOQUANT_CPU_ARCH"] == "x86-64-v3"
-    assert "X86_V4" in x86["NPY_DISABLE_CPU_FEATURES"] and x86["MLX_DISABLE_COMPILE"] == "1"
+    assert x86["NPY_DISABLE_CPU_FEATURES"] == "X86_V4 AVX512_ICL" and x86["MLX_DISABLE_COMPILE"] == "1"
     assert machine.foreign_env("arm64") == {"MLX_DISABLE_COMPILE": "1"}     # no x86 names on a Mac
+
+
+def test_foreign_env_asks_nothing_an_older_cpu_cannot_do():
+    avx2 = machine.foreign_env("x86_64", {"avx2"}, {"X86_V3": True, "X86_V4": False})
+    assert "NPY_DISABLE_CPU_FEATURES" not in avx2                     # NumPy refuses unknown features
+    assert avx2["TURBOQUANT_CPU_ARCH"] == "x86-64-v3"
+    sse = machine.foreign_env("x86_64", {"sse2"}, {})
+    assert sse["TURBOQUANT_CPU_ARCH"] == "x86-64"                      # an AVX2 build would not run
+
+
+def test_numpy_accepts_the_foreign_configuration_here():
+    env = machine.foreign_env()
+    out = subprocess.run([sys.executable, "-W", "error", "-c", "import numpy; print(numpy.ones(3).sum())"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert out.returncode == 0 and out.stdout.strip() == "3.0", out.stderr
 
 
 def test_compile_defect_reports_what_it_ran():

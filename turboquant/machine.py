@@ -3,8 +3,8 @@ mlx compiler defect of Chapter 3.
 
 Results that depend on the machine — the last bits of a float32 sum, which code path MKL or
 NumPy dispatches to, whether a compiler defect shows — are printed by the book as what was
-*detected* here, never as universal facts. ``describe()`` gathers them; ``turboquant
-kernels`` and the chapters print them.
+*detected* here, never as universal facts. ``describe()`` gathers them; Chapters 3 and 11
+print them, and ``python -m turboquant.machine`` prints them all.
 
 ``make test`` re-runs the notebooks under a *foreign* configuration (``FOREIGN_ENV``:
 MKL's and NumPy's AVX2 code paths, the AVX2 build of the CPU kernels, mlx's compiler off),
@@ -32,13 +32,32 @@ FOREIGN_ENV = {
 }
 
 
-def foreign_env(machine: str | None = None) -> dict:
-    """``FOREIGN_ENV`` for this platform: on x86-64 all of it; elsewhere (arm64 Macs and
-    Linux) only what is not x86-specific (mlx's compiler off)."""
+def foreign_env(machine: str | None = None, flags: set[str] | None = None,
+                numpy_features: dict | None = None) -> dict:
+    """``FOREIGN_ENV`` as it applies to this machine (or to the one described by the
+    arguments, for tests): on x86-64, NumPy's switches only for the dispatch targets this
+    NumPy has and this CPU offers (NumPy refuses others), and the AVX2 build of the kernels
+    only where the CPU has AVX2 (else the portable one); on arm64 (Macs) and elsewhere only
+    what is not x86-specific: mlx's compiler off."""
     machine = (machine or platform.machine()).lower()
-    if machine in ("x86_64", "amd64"):
-        return dict(FOREIGN_ENV)
-    return {"MLX_DISABLE_COMPILE": FOREIGN_ENV["MLX_DISABLE_COMPILE"]}
+    if machine not in ("x86_64", "amd64"):
+        return {"MLX_DISABLE_COMPILE": FOREIGN_ENV["MLX_DISABLE_COMPILE"]}
+    flags = cpu_flags() if flags is None else flags
+    if numpy_features is None:
+        try:
+            from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+            numpy_features = {f: __cpu_features__.get(f, False) for f in __cpu_dispatch__}
+        except ImportError:                                                  # pragma: no cover
+            numpy_features = {}
+    env = dict(FOREIGN_ENV)
+    off = [f for f in FOREIGN_ENV["NPY_DISABLE_CPU_FEATURES"].split() if numpy_features.get(f)]
+    if off:
+        env["NPY_DISABLE_CPU_FEATURES"] = " ".join(off)
+    else:
+        del env["NPY_DISABLE_CPU_FEATURES"]
+    if "avx2" not in flags:
+        env["TURBOQUANT_CPU_ARCH"] = "x86-64"                                # no AVX2 to force
+    return env
 
 
 def cpu_flags() -> set[str]:

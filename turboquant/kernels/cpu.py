@@ -34,9 +34,6 @@ __all__ = ["CpuKernels", "build", "self_check", "machine_signature", "env_arch",
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 ARCH_ENV = "TURBOQUANT_CPU_ARCH"
-# -march values that name the SIMD branches of cpu.cpp on x86-64 (AVX-512, AVX2, portable);
-# any other value is passed to the compiler as it is (e.g. "armv8.2-a" on arm64)
-X86_BRANCHES = {"x86-64-v4": "AVX-512", "x86-64-v3": "AVX2", "x86-64": "portable"}
 FLAGS = ["-std=c++17", "-O3", "-shared", "-fPIC", "-Wall", "-Wextra"]
 
 
