@@ -42,6 +42,9 @@ def test_eval_lists_and_runs_a_small_comparison(tmp_path, capsys):
     (["bench", "speed"], "argument what: invalid choice: 'speed'"),
     (["bench", "decode", "--tokens", "0"], "argument --tokens: must be >= 1, got 0"),
     (["bench", "generate", "--context", "x"], "argument --context: expected an integer"),
+    (["generate", "--prompt", "x", "--key-bits", "9"], "argument --key-bits: must be <= 8, got 9"),
+    (["generate", "--prompt", "x", "--value-bits", "0"], "argument --value-bits: must be >= 1, got 0"),
+    (["memory", "--group-size", "32"], "--group-size applies to --side affine only"),
 ])
 def test_bad_arguments_give_a_usage_message_and_status_2(argv, message, capsys):
     import time
@@ -139,3 +142,17 @@ def test_overwrite_without_save_cache_is_an_error(capsys):
     with _pytest.raises(SystemExit) as e:
         cli.main(["generate", "--model", "smollm2-135m", "--prompt", "Hi", "--overwrite"])
     assert e.value.code == 2 and "--overwrite applies to --save-cache" in capsys.readouterr().err
+
+
+def test_the_report_says_larger_when_the_cache_is_larger():
+    """Issue #26.10: the Identity codec's cache was reported as "0.50x smaller"."""
+    import mlx.core as mx
+    from turboquant import make_prompt_cache
+    from turboquant.codecs import Identity, TurboQuantMSE
+    from turboquant.generate import report
+    from turboquant.models import tiny_model
+    model = tiny_model("llama", seed=0)
+    for codec, word in ((lambda d: Identity(d), "x larger"), (lambda d: TurboQuantMSE(d, 4), "x smaller")):
+        cache = make_prompt_cache(model, key_codec=codec)
+        model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
+        assert word in report(model, cache, (5, 1.0), (0, 0.0))

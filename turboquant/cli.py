@@ -37,6 +37,19 @@ def _int_at_least(lo: int):
     return parse
 
 
+def _int_in(lo: int, hi: int):
+    """An argparse type: an int in lo..hi."""
+    at_least = _int_at_least(lo)
+
+    def parse(text: str) -> int:
+        value = at_least(text)
+        if value > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi}, got {value}")
+        return value
+    parse.__name__ = f"int in {lo}..{hi}"
+    return parse
+
+
 def _bits(text: str) -> float:
     try:
         value = float(text)
@@ -48,9 +61,12 @@ def _bits(text: str) -> float:
 
 
 def _memory(args) -> int:
+    if args.side != "affine" and args.group_size is not None:
+        args.parser.error("--group-size applies to --side affine only")
+    group = 64 if args.group_size is None else args.group_size
     geometry = memory.PRESETS[args.preset]
     side = {"none": 0, "norm": memory.NORM_SIDE_BITS,
-            "affine": memory.affine_side_bits(geometry.head_dim, args.group_size)}[args.side]
+            "affine": memory.affine_side_bits(geometry.head_dim, group)}[args.side]
     print(geometry.describe())
     print(f"{'context':>10} {'bits':>6} {'side bits':>9} {'KV MB':>12}")
     for t in args.context:
@@ -134,8 +150,8 @@ def _cache_arguments(p) -> None:
     g = p.add_argument_group("cache (choose one; default --key-bits 4 --value-bits 4)")
     g.add_argument("--bits", type=_bits, default=None, help="a budget in bits per coordinate, side information "
                    "included: the best measured configuration within it (Chapter 9)")
-    g.add_argument("--key-bits", type=_int_at_least(1), default=None, help="TurboQuant_mse bits for keys")
-    g.add_argument("--value-bits", type=_int_at_least(1), default=None, help="TurboQuant_mse bits for values")
+    g.add_argument("--key-bits", type=_int_in(1, 8), default=None, help="TurboQuant_mse bits for keys (1..8)")
+    g.add_argument("--value-bits", type=_int_in(1, 8), default=None, help="TurboQuant_mse bits for values (1..8)")
     g.add_argument("--codec", default=None, help="a codec config as JSON, or a JSON file (keys and values)")
     g.add_argument("--max-kv-size", type=_int_at_least(1), default=None, help="keep at most this many tokens per layer")
 
@@ -336,7 +352,8 @@ def main(argv=None) -> int:
     m.add_argument("--bits", type=_bits, nargs="+", default=[16, 8, 4, 3, 2])
     m.add_argument("--side", choices=["none", "norm", "affine"], default="norm",
                    help="side information per vector for bits < 16 (default: one fp16 norm)")
-    m.add_argument("--group-size", type=_int_at_least(1), default=64, help="affine group size for --side affine")
+    m.add_argument("--group-size", type=_int_at_least(1), default=None,
+                   help="affine group size for --side affine (default 64)")
     m.add_argument("--batch", type=_int_at_least(1), default=1)
     m.set_defaults(run=_memory)
 

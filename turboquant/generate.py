@@ -89,15 +89,22 @@ def report(model, cache: list, prefill: tuple[int, float], decode: tuple[int, fl
     codes = sum(c.code_nbytes(c.size()) if hasattr(c, "code_nbytes") else c.nbytes for c in cache)
     fp16 = fp16_bytes(model, cache)
     rate = lambda n, t: f"{n / t:,.1f}" if t > 0 and n else "-"   # noqa: E731
-    ratio = f", {fp16 / codes:.2f}x smaller" if codes else ""
+    ratio = "" if not codes else (f", {fp16 / codes:.2f}x smaller" if codes <= fp16 else f", {codes / fp16:.2f}x larger")
+    seen, held = cache_len(cache), cache_held(cache)
+    tokens = f"{held} tokens" if held == seen else f"the last {held} of {seen} tokens"
     return (f"[prefill {np_} tokens at {rate(np_, tp)} tok/s · decode {nd} tokens at {rate(nd, td)} tok/s · "
-            f"cache: {codes / 1e6:,.3f} MB of codes for {cache_len(cache)} tokens ({allocated / 1e6:,.3f} MB "
+            f"cache: {codes / 1e6:,.3f} MB of codes for {tokens} ({allocated / 1e6:,.3f} MB "
             f"allocated), fp16 would hold {fp16 / 1e6:,.3f} MB{ratio}]")
 
 
 def cache_len(cache: list) -> int:
     """Tokens seen by the cache (its first layer's offset)."""
     return next((c.offset for c in cache if hasattr(c, "offset")), 0)
+
+
+def cache_held(cache: list) -> int:
+    """Tokens the cache holds now (the most any layer holds: a sliding layer holds its window)."""
+    return max((c.size() for c in cache if hasattr(c, "size")), default=0)
 
 
 def generate_text(model, tokenizer, prompt_ids: list[int], cache: list, max_tokens: int,
