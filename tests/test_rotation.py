@@ -62,3 +62,20 @@ def test_bad_arguments():
         Rotation("haar", 64).apply(mx.zeros((3, 65)))
     with pytest.raises(TypeError):
         Rotation("haar", 64).apply(np.zeros((3, 64)))
+
+
+@pytest.mark.parametrize("dim, kind", [(10**9, "hadamard"), (10**5, "haar"), (1 << 17, "hadamard")])
+def test_huge_dimensions_are_refused_before_anything_is_allocated(dim, kind):
+    """Issue #26.9: TurboQuantMSE(10**9, 4) drew 10⁹ signs (8 GB, 32 s) before refusing;
+    Haar at a large dim raised MemoryError."""
+    import time
+    from turboquant.codecs import TurboQuantMSE
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=f"rotation dim {dim} is above"):
+        TurboQuantMSE(dim, 4, rotation=kind)
+    assert time.perf_counter() - t < 1
+
+
+def test_a_size_without_a_hadamard_matrix_is_refused_before_its_signs_are_drawn():
+    with pytest.raises(ValueError, match="no Hadamard matrix of order 1000"):
+        Rotation("hadamard", 1000)

@@ -20,9 +20,12 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["Rotation", "hadamard_matrix", "hadamard_sizes_ok"]
+__all__ = ["Rotation", "hadamard_matrix", "hadamard_sizes_ok", "MAX_DIM"]
 
 _KINDS = ("haar", "hadamard")
+# The largest head sizes a rotation is built for: Haar holds a dense D×D matrix (4096: 64 MB
+# in float32, a QR of seconds); randomized Hadamard holds D signs.
+MAX_DIM = {"haar": 4096, "hadamard": 1 << 16}
 
 
 def _paley_i(q: int) -> np.ndarray:
@@ -87,6 +90,13 @@ class Rotation:
             raise ValueError(f"rotation dim must be an int >= 2, got {self.dim!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
             raise ValueError(f"rotation seed must be a non-negative int, got {self.seed!r}")
+        limit = MAX_DIM[self.kind]
+        if self.dim > limit:                      # refused before anything of size D² or D is drawn
+            raise ValueError(f"rotation dim {self.dim} is above the {limit} a {self.kind} rotation supports "
+                             f"(a {'dense D×D matrix' if self.kind == 'haar' else 'transform'} per codec); "
+                             "KV heads are 64–256 wide")
+        if self.kind == "hadamard" and not hadamard_sizes_ok(int(self.dim)):
+            hadamard_matrix(int(self.dim))        # raises, naming the sizes that exist
         rng = np.random.default_rng([int(self.seed), int(self.dim), _KINDS.index(self.kind)])
         if self.kind == "haar":
             q, r = np.linalg.qr(rng.standard_normal((self.dim, self.dim)))
