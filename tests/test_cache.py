@@ -290,3 +290,24 @@ def test_top1_agreement_is_one_for_pass_through_and_lower_for_one_bit(llama):
     assert same == 1.0
     low = top1_agreement(llama, prompt, cont, lambda: make_prompt_cache(llama, key_codec=lambda d: TurboQuantMSE(d, 1)))
     assert low < 1.0
+
+
+def test_a_cache_from_another_model_of_the_same_shape_is_refused(tmp_path):
+    """Issue #26.4: a tiny-llama cache loaded silently into a tiny-gemma3 of equal shape."""
+    from turboquant.models import tiny_model
+    from turboquant.prompt_cache import model_fingerprint
+    llama_a = tiny_model("llama", seed=0, sliding_window=1024)
+    llama_b = tiny_model("llama", seed=1, sliding_window=1024)
+    cache = make_prompt_cache(llama_a, key_codec=lambda d: TurboQuantMSE(d, 4))
+    run(llama_a, cache, tokens(12), [12])
+    path = tmp_path / "a.safetensors"
+    save_prompt_cache(path, cache, {"model": "a"}, model=llama_a)
+    assert load_prompt_cache(path, model=llama_a)[0].offset == 12             # its own model
+    assert model_fingerprint(llama_a)["layers"] == model_fingerprint(llama_b)["layers"]
+    with pytest.raises(ValueError, match="filled by llama .* not by the model given"):
+        load_prompt_cache(path, model=llama_b)                                 # same shape, other weights
+    gemma = tiny_model("gemma3", seed=0)
+    if model_fingerprint(gemma)["layers"] == model_fingerprint(llama_a)["layers"]:
+        with pytest.raises(ValueError, match="gemma3|layers"):
+            load_prompt_cache(path, model=gemma)
+    assert load_prompt_cache(path)[0].offset == 12                           # no model: nothing to check

@@ -133,7 +133,7 @@ def _generate(args) -> int:
     r = generate_text(model, tok, ids, cache, args.max_tokens)
     print("\n" + report(model, cache, r["prefill"], r["decode"]))
     if args.save_cache:
-        save_prompt_cache(args.save_cache, cache, {"model": str(args.model)})
+        save_prompt_cache(args.save_cache, cache, {"model": str(args.model)}, model=model)
         print(f"cache saved to {args.save_cache}")
     return 0
 

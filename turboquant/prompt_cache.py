@@ -36,6 +36,29 @@ def model_geometry(model) -> tuple[int, int, int]:
     return len(model.layers), g.n_kv_heads, g.head_dim
 
 
+def model_fingerprint(model) -> dict:
+    """What identifies the model a cache was filled by: architecture, layers, kv heads, head
+    size, and a SHA-256 of the first and last 4,096 values of its first and last weight
+    tensors (two models of one shape still differ there). A dict of str, saved with caches."""
+    from mlx.utils import tree_flatten
+    layers, kv, d = model_geometry(model)
+    args = getattr(model, "args", None)
+    arch = str(getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1])
+    params = sorted(tree_flatten(model.parameters()), key=lambda t: t[0])
+    h = hashlib.sha256()
+    for name, w in (params[0], params[-1]) if params else ():
+        flat = w.reshape(-1)
+        for part in (flat[:4096], flat[-4096:]):
+            h.update(name.encode() + np.array(part.astype(mx.float32)).tobytes())
+    return {"architecture": arch, "layers": str(layers), "kv_heads": str(kv), "head_dim": str(d),
+            "weights_sha256": h.hexdigest()[:16]}
+
+
+def _describe(fp: dict) -> str:
+    return (f"{fp.get('architecture')} with {fp.get('layers')} layers, {fp.get('kv_heads')} kv heads of "
+            f"{fp.get('head_dim')} (weights {fp.get('weights_sha256')})")
+
+
 def _tag(cache: list) -> list:
     """Tell each TurboQuant cache the length of its list (``codes_attention`` checks it
     against the model's layers)."""
@@ -209,11 +232,13 @@ def content_digest(header_json: str, arrays: dict) -> str:
     return h.hexdigest()
 
 
-def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None) -> None:
+def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None, model=None) -> None:
     """Save TurboQuant caches (codes, codec configurations, offsets, a SHA-256 of it all) to
     a safetensors file at exactly ``path`` (any name: ``.safetensors`` is not appended),
-    atomically: the file at ``path`` is replaced only once the new one is complete. Load it
-    with ``turboquant.load_prompt_cache`` (mlx-lm's loader does not know these classes)."""
+    atomically: the file at ``path`` is replaced only once the new one is complete. With
+    ``model``, its ``model_fingerprint`` is saved too, and ``load_prompt_cache(path,
+    model=…)`` refuses another model. Load it with ``turboquant.load_prompt_cache``
+    (mlx-lm's loader does not know these classes)."""
     if not isinstance(cache, (list, tuple)) or not all(isinstance(c, TurboQuantKVCache) for c in cache):
         raise TypeError("save_prompt_cache saves a list of TurboQuant caches only; use mlx_lm's for others")
     if metadata is not None and (not isinstance(metadata, dict) or not all(
@@ -227,7 +252,10 @@ def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None) -> Non
                 if a is not None:
                     arrays[f"{i}.{group}.{name}"] = a
         layers.append(c.meta_state)
-    header = json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "layers": layers, "user": metadata or {}})
+    head = {"format": FORMAT, "version": FORMAT_VERSION, "layers": layers, "user": metadata or {}}
+    if model is not None:
+        head["model"] = model_fingerprint(model)
+    header = json.dumps(head)
     path = check_out_file(path, "cache file")
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.safetensors")
     try:
@@ -243,7 +271,8 @@ def load_prompt_cache(path, return_metadata: bool = False, model=None):
     ``mlx_lm.save_prompt_cache``). The whole file is validated before anything is built:
     format and version, the checksum, every layer's settings (the constructors' rules),
     every expected tensor present with the dtype and shape its configuration implies, no
-    orphan tensors. With ``model``, its layer count, kv heads and head size must match.
+    orphan tensors. With ``model``, its layer count, kv heads and head size must match, and
+    the model the file was saved from (``model_fingerprint``, when it was saved with one).
     Every problem raises ``ValueError`` naming the field."""
     path = Path(path)
     if not path.is_file():
@@ -252,12 +281,17 @@ def load_prompt_cache(path, return_metadata: bool = False, model=None):
         arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
     except Exception as e:  # mlx raises RuntimeError/ValueError for damaged files
         raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+    saved_from = None
     if "turboquant" not in meta:
         cache, user = _load_mlx_lm_layout(path, arrays, meta)
     else:
         cache, user = _load_turboquant_layout(path, arrays, meta)
+        saved_from = json.loads(meta["turboquant"]).get("model")
     if model is not None:
         _check_model(path, cache, model)
+        if saved_from is not None and saved_from != model_fingerprint(model):
+            raise ValueError(f"{path}: this cache was filled by {_describe(saved_from)}, not by the model given, "
+                             f"{_describe(model_fingerprint(model))}: its keys and values mean nothing there")
     _tag(cache)
     return (cache, user) if return_metadata else cache
 
