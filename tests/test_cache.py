@@ -311,3 +311,31 @@ def test_a_cache_from_another_model_of_the_same_shape_is_refused(tmp_path):
         with pytest.raises(ValueError, match="gemma3|layers"):
             load_prompt_cache(path, model=gemma)
     assert load_prompt_cache(path)[0].offset == 12                           # no model: nothing to check
+
+
+def test_a_failed_forward_pass_marks_the_prompt_cache_unusable(llama):
+    """Issue #26.5: offsets went [5,5,5] → error → [7,5,5], and the next call continued
+    silently at [8,6,6]."""
+    cache = make_prompt_cache(llama, key_codec=lambda d: TurboQuantMSE(d, 4))
+    run(llama, cache, tokens(5), [5])
+    bad = cache[1].key_codec
+
+    class Boom(Exception):
+        pass
+
+    def encode(x):
+        raise Boom("key norms exceed float16")
+    original, bad.encode = bad.encode, encode
+    with pytest.raises(ValueError, match=r"unusable: a forward pass failed in layer 1 \(Boom: key norms"):
+        llama(tokens(2, seed=1), cache=cache)
+    bad.encode = original                                      # even with the cause gone:
+    with pytest.raises(ValueError, match="unusable"):
+        llama(tokens(1, seed=2), cache=cache)
+    assert [c.offset for c in cache][:2] == [7, 5]             # nothing moved after the failure
+    fresh = make_prompt_cache(llama, key_codec=lambda d: TurboQuantMSE(d, 4))
+    fresh[0].key_codec.encode = encode                         # the first layer failing changes nothing:
+    with pytest.raises(Boom):
+        llama(tokens(2, seed=1), cache=fresh)
+    del fresh[0].key_codec.encode
+    llama(tokens(2, seed=1), cache=fresh)                      # the cache is still usable
+    assert {c.offset for c in fresh} == {2}

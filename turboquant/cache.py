@@ -98,9 +98,34 @@ class TurboQuantKVCache:
         self.offset = 0
         self.dtype = mx.float32
         self.n_layers = None       # length of the prompt-cache list this belongs to, if known
+        self.group = None          # {"caches": that list, "broken": why it is unusable, or None}
 
     # ---------------------------------------------------------------- protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Store ``keys``/``values`` (B, H_kv, T, D) and return what attention reads. A layer
+        that fails changes nothing of itself; but if layers before it in the same prompt
+        cache (``group``, set by ``make_prompt_cache``/``load_prompt_cache``) already took
+        the tokens, the layers now disagree: the whole prompt cache is marked unusable and
+        says so on this and every later update, instead of continuing out of step."""
+        group = getattr(self, "group", None)
+        if group is not None and group["broken"]:
+            raise ValueError(group["broken"])
+        try:
+            return self._update_and_fetch(keys, values)
+        except Exception as e:
+            if group is not None:
+                caches = group["caches"]
+                layer = next((n for n, c in enumerate(caches) if c is self), None)
+                ahead = [n for n, c in enumerate(caches) if c.offset != self.offset]
+                if ahead:
+                    group["broken"] = (f"this prompt cache is unusable: a forward pass failed in layer {layer} "
+                                       f"({type(e).__name__}: {e}) after layer(s) {ahead[0]}..{ahead[-1]} had "
+                                       "stored its tokens, so its layers disagree. Make a new cache "
+                                       "(make_prompt_cache) or load a saved one")
+                    raise ValueError(group["broken"]) from e
+            raise
+
+    def _update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check(keys, values)
         kc, vc = self._encode(keys, values)
         prev, T = self.offset, keys.shape[2]
@@ -265,7 +290,7 @@ class TurboQuantKVCache:
                 raise ValueError("this state carries no meta_state: pass it explicitly")
             meta_state = json.loads(state[3])
         obj = cls.__new__(cls)
-        obj.n_layers = None
+        obj.n_layers, obj.group = None, None
         obj.meta_state = meta_state
         obj.state = state
         return obj
@@ -306,7 +331,7 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
                                       buf.slice(self.keep, self._idx)])
         return buf.slice(0, self._idx)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
+    def _update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check(keys, values)
         kc, vc = self._encode(keys, values)
         S = keys.shape[2]

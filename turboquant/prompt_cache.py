@@ -61,10 +61,11 @@ def _describe(fp: dict) -> str:
 
 def _tag(cache: list) -> list:
     """Tell each TurboQuant cache the length of its list (``codes_attention`` checks it
-    against the model's layers)."""
-    for c in cache:
-        if isinstance(c, TurboQuantKVCache):
-            c.n_layers = len(cache)
+    against the model's layers) and the group it belongs to (a failed forward pass marks the
+    whole group unusable: ``TurboQuantKVCache.update_and_fetch``)."""
+    group = {"caches": [c for c in cache if isinstance(c, TurboQuantKVCache)], "broken": None}
+    for c in group["caches"]:
+        c.n_layers, c.group = len(cache), group
     return cache
 
 
