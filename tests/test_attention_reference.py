@@ -32,3 +32,12 @@ def test_codes_attention_refuses_what_is_not_a_model():
     with _pytest.raises(TypeError, match="needs an mlx-lm model"):
         with codes_attention(None):
             pass
+
+
+def test_reference_attention_takes_causal_like_attention_from_codes():
+    import mlx.core as mx
+    from turboquant.attention import reference_attention
+    q = mx.random.normal((1, 2, 3, 8), key=mx.random.key(0))
+    k = mx.random.normal((1, 2, 7, 8), key=mx.random.key(1))
+    explicit = mx.arange(4, 7)[:, None] >= mx.arange(7)[None]
+    assert mx.allclose(reference_attention(q, k, k, mask="causal"), reference_attention(q, k, k, mask=explicit)).item()

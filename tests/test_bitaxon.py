@@ -165,3 +165,13 @@ def test_window_attention_refuses_a_zero_window_or_chunk():
     for kw in (dict(window=0, chunk=4), dict(window=4, chunk=0)):
         with pytest.raises(ValueError, match="window|chunk"):
             window_attention(q, q, q, None, scale=1.0, **kw)
+
+
+def test_both_cache_faces_take_the_same_window_sizes():
+    import numpy as np
+    assert KVCache(np.int64(4)).window_size == 4
+    assert QuantizedSWACache(np.int64(4), TurboQuantMSE(64, 4)).ring.max_size == 4
+    for bad in (True, 2.5, 0):
+        for make in (lambda w: KVCache(w), lambda w: QuantizedSWACache(w, TurboQuantMSE(64, 4))):
+            with pytest.raises(ValueError, match="window_size"):
+                make(bad)

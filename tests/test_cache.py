@@ -339,3 +339,15 @@ def test_a_failed_forward_pass_marks_the_prompt_cache_unusable(llama):
     del fresh[0].key_codec.encode
     llama(tokens(2, seed=1), cache=fresh)                      # the cache is still usable
     assert {c.offset for c in fresh} == {2}
+
+
+def test_another_batch_or_head_count_after_the_first_update_is_a_clear_error():
+    """Issue #26.11: a raw mlx broadcast error before."""
+    c = TurboQuantKVCache(TurboQuantMSE(16, 4))
+    k = mx.random.normal((1, 2, 5, 16), key=mx.random.key(0))
+    c.update_and_fetch(k, k)
+    for shape in ((2, 2, 1, 16), (1, 3, 1, 16)):
+        x = mx.zeros(shape)
+        with pytest.raises(ValueError, match="this cache holds batch 1 × 2 kv heads"):
+            c.update_and_fetch(x, x)
+    assert c.offset == 5

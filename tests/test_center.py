@@ -82,3 +82,10 @@ def test_cache_with_centered_keys_and_sinks_saves_trims_and_reloads(tmp_path):
     assert d.sink_keys.shape[2] == 1 and d.offset == 1
     with pytest.raises(ValueError, match="sink_tokens"):
         TurboQuantKVCache(TurboQuantMSE(64, 3), sink_tokens=-1)
+
+
+def test_a_non_finite_mean_is_named_as_such():
+    import pytest as _pytest
+    from turboquant.codecs import Centered, TurboQuantMSE
+    with _pytest.raises(ValueError, match="mean must be finite; it holds 8 NaN"):
+        Centered(TurboQuantMSE(8, 4, rotation="haar"), mean=[float("nan")] * 8)

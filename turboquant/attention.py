@@ -30,11 +30,13 @@ def reference_attention(q: mx.array, k: mx.array, v: mx.array, scale: float | No
                         mask: mx.array | None = None) -> mx.array:
     """softmax(q kᵀ · scale + mask) v in float32, written out: (B, H, Tq, D).
 
-    ``mask`` is additive (0 / −inf) or boolean (True = keep), broadcastable to (B, H, Tq, T).
+    ``mask`` is additive (0 / −inf) or boolean (True = keep), broadcastable to (B, H, Tq, T),
+    or "causal" (the last Tq of T positions, as ``attention_from_codes`` takes it).
     """
     for name, a in (("q", q), ("k", k), ("v", v)):
-        if a.ndim != 4:
-            raise ValueError(f"{name} must have shape (B, H, T, D), got {tuple(a.shape)}")
+        if not isinstance(a, mx.array) or a.ndim != 4:
+            raise ValueError(f"{name} must have shape (B, H, T, D), got {getattr(a, 'shape', type(a).__name__)}")
+    mask = _causal(mask, q.shape[2], k.shape[2])
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     H = q.shape[1]
     k, v = _repeat_kv(k.astype(mx.float32), H), _repeat_kv(v.astype(mx.float32), H)

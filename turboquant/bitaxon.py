@@ -67,9 +67,7 @@ class KVCache:
     ``update_and_fetch`` returns previous + new keys for attention, then keeps the last W."""
 
     def __init__(self, window_size: int):
-        if not isinstance(window_size, int) or window_size < 1:
-            raise ValueError(f"window_size must be a positive int, got {window_size!r}")
-        self.window_size = window_size
+        self.window_size = check_int("window_size", window_size, 1)
         self.k = self.v = None
         self.offset = 0
 
@@ -94,8 +92,7 @@ class QuantizedSWACache:
     compacts the ring to W slots, so memory is W slots of codes whatever the context."""
 
     def __init__(self, window_size: int, codec: Codec, value_codec: Optional[Codec] = None):
-        if not isinstance(window_size, int) or isinstance(window_size, bool) or window_size < 1:
-            raise ValueError(f"window_size must be a positive int, got {window_size!r}")
+        window_size = check_int("window_size", window_size, 1)     # NumPy ints too; never True
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a turboquant codec, got {type(codec).__name__}")
         if value_codec is None:                      # a learning codec is never shared by K and V

@@ -150,6 +150,11 @@ class TurboQuantKVCache:
                                  f"got {getattr(a, 'shape', type(a).__name__)}")
         if keys.shape[:3] != values.shape[:3]:
             raise ValueError(f"keys {keys.shape} and values {values.shape} disagree in (B, H, T)")
+        if self.keys is not None:
+            held = tuple(next(iter(self.keys.fields.values())).shape[:2])
+            if tuple(keys.shape[:2]) != held:
+                raise ValueError(f"this cache holds batch {held[0]} × {held[1]} kv heads; new keys have "
+                                 f"{keys.shape[0]} × {keys.shape[1]} (a cache serves one batch and model)")
         self.dtype = keys.dtype
 
     def _encode(self, keys, values):

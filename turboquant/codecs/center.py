@@ -43,9 +43,10 @@ class Centered(Codec):
         self._config = None
         if mean is not None:
             m = mx.array(mean, dtype=mx.float32)
-            if m.ndim not in (1, 2) or m.shape[-1] != self.dim or not mx.all(mx.isfinite(m)).item():
-                raise ValueError(f"mean must be finite with shape (D,) or (H, D), D={self.dim}; "
-                                 f"got shape {tuple(m.shape)}")
+            if m.ndim not in (1, 2) or m.shape[-1] != self.dim:
+                raise ValueError(f"mean must have shape (D,) or (H, D), D={self.dim}; got shape {tuple(m.shape)}")
+            if not mx.all(mx.isfinite(m)).item():
+                raise ValueError(f"mean must be finite; it holds {int(mx.sum(~mx.isfinite(m)).item())} NaN or Inf values")
             self.mean = m
 
     @property
