@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-__all__ = ["simd_level", "cpu_flags", "compile_defect", "describe", "FOREIGN_ENV", "foreign_env"]
+__all__ = ["simd_level", "cpu_flags", "numpy_dispatch", "compile_defect", "describe", "FOREIGN_ENV", "foreign_env"]
 
 # The configuration nbval re-runs the chapters under (``make test-notebooks``): on an
 # AVX-512 machine it computes what an AVX2-only one does, and with mlx's compiler off the
@@ -44,11 +44,7 @@ def foreign_env(machine: str | None = None, flags: set[str] | None = None,
         return {"MLX_DISABLE_COMPILE": FOREIGN_ENV["MLX_DISABLE_COMPILE"]}
     flags = cpu_flags() if flags is None else flags
     if numpy_features is None:
-        try:
-            from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
-            numpy_features = {f: __cpu_features__.get(f, False) for f in __cpu_dispatch__}
-        except ImportError:                                                  # pragma: no cover
-            numpy_features = {}
+        numpy_features = numpy_dispatch()
     env = dict(FOREIGN_ENV)
     off = [f for f in FOREIGN_ENV["NPY_DISABLE_CPU_FEATURES"].split() if numpy_features.get(f)]
     if off:
@@ -58,6 +54,15 @@ def foreign_env(machine: str | None = None, flags: set[str] | None = None,
     if "avx2" not in flags:
         env["TURBOQUANT_CPU_ARCH"] = "x86-64"                                # no AVX2 to force
     return env
+
+
+def numpy_dispatch() -> dict:
+    """NumPy's dispatch targets → whether this CPU offers each (empty before NumPy 2)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+    except ImportError:                                                      # pragma: no cover
+        return {}
+    return {f: bool(__cpu_features__.get(f, False)) for f in __cpu_dispatch__}
 
 
 def cpu_flags() -> set[str]:
@@ -118,16 +123,12 @@ def describe() -> dict:
     """Detected facts about this machine and the paths the package takes on it."""
     from . import blas, kernels
     backend = kernels.active()
-    try:
-        from numpy._core._multiarray_umath import __cpu_dispatch__ as npy_dispatch   # NumPy ≥ 2
-    except ImportError:                                                             # pragma: no cover
-        npy_dispatch = []
     return {
         "machine": platform.machine(), "system": platform.system(),
         "simd": simd_level(),
         "blas": blas.status(),
         "mkl_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", "(MKL's choice)"),
-        "numpy_dispatch": list(npy_dispatch),
+        "numpy_dispatch": [f for f, on in numpy_dispatch().items() if on],
         "kernels": kernels.backend_name(),
         "kernels_isa": getattr(backend, "isa", None),
         "kernels_why": kernels.why(),
