@@ -44,8 +44,24 @@ def test_bad_options_are_one_line_errors(capsys, tmp_path):
     for bad in ("4", "[1]", '{"codec": "identity", "x": "' + "y" * 300 + '"}'):
         with pytest.raises((ValueError, TypeError)):
             cache_options(codec=bad)
-    assert main(["generate", "--prompt", "x", "--codec", '{"codec": "identity", "x": 1}']) == 1
-    assert "unexpected keyword argument 'x'" in capsys.readouterr().err
+    # every bad cache option is a usage error (exit 2) named on one line, before or after the model loads
+    for opts, said in ((["--codec", '{"codec": "identity", "x": 1}'], "unexpected keyword argument 'x'"),
+                       (["--codec", '{"codec": "turboquant_mse"}'], "missing 1 required positional argument: 'bits'"),
+                       (["--codec", '{"codec": "turboquant_mse", "bits": "4"}'], "bits"),
+                       (["--key-bits", "9"], "must be <= 8"), (["--key-bits", "0"], "must be >= 1"),
+                       (["--bits", "0.5"], "argument --bits: the profile of smollm2-135m has no configuration within 0.5")):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--prompt", "x", "--max-tokens", "1", *opts])
+        assert e.value.code == 2 and said in capsys.readouterr().err, opts
+
+
+def test_codec_option_takes_wrappers(capsys):
+    """--codec sets the head size where the codec takes it: a Centered wrapper's inner codec."""
+    centered = '{"codec": "centered", "inner": {"codec": "turboquant_mse", "bits": 4}}'
+    assert main(["generate", "--prompt", "The capital of France is", "--max-tokens", "2", "--codec", centered]) == 0
+    assert "tok/s" in capsys.readouterr().out
+    opts = cache_options(codec=centered)
+    assert opts["key_codec"](64).config()["inner"] == {**opts["key_codec"](64).inner.config(), "dim": 64}
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])

@@ -117,6 +117,11 @@ def _load_for_generation(args):
     except ValueError as e:
         args.parser.error(str(e))
     model, tok = load(args.model)
+    if "bits" in options:                # a budget below every measured configuration is a usage error
+        try:
+            return model, tok, new_cache(model, options)
+        except ValueError as e:
+            args.parser.error(f"argument --bits: {e}")
     return model, tok, new_cache(model, options, getattr(args, "load_cache", None))
 
 

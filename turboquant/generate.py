@@ -26,17 +26,16 @@ def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, 
     config as JSON text or a JSON file, for keys and values); none means TurboQuant_mse at 4
     bits for keys and values (4.25 bits per coordinate at head size 64).
 
-    Not ``bits=4.25`` by default: that budget picks centered keys, whose mean is fitted on
-    the first prefill; a short chat prompt, whose first token is the attention sink, skews
-    it (measured: SmolLM2's answer to "What is the capital of France?" becomes nonsense,
-    while plain 4-bit keys answer "Paris")."""
+    Not ``bits=4.25`` by default: for the installed models a budget means their calibrated
+    profile (Chapter 10), whose coders are fitted on first use; plain 4-bit keys and values
+    need no fitting and no profile."""
     chosen = [n for n, v in (("--bits", bits), ("--key-bits/--value-bits", key_bits or value_bits),
                              ("--codec", codec)) if v]
     if len(chosen) > 1:
         raise ValueError(f"choose one way to set the cache: {' and '.join(chosen)} contradict each other")
     opts: dict = {"max_kv_size": max_kv_size}
     if codec:
-        from .codecs.base import from_config
+        from .codecs.base import from_config, with_dim
         try:
             is_file = Path(codec).is_file()
         except OSError:                                    # e.g. inline JSON longer than a file name
@@ -49,8 +48,11 @@ def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, 
         if not isinstance(config, dict):
             raise ValueError(f"--codec must be a JSON object such as {{\"codec\": \"turboquant_mse\", \"bits\": 4}}, "
                              f"got {codec!r}")
-        from_config({**config, "dim": config.get("dim", 64)})   # validates the name and options early
-        opts["key_codec"] = lambda d: from_config({**config, "dim": d})
+        try:                                               # the name and options, before any model loads
+            from_config(with_dim(config, 64))
+        except (TypeError, ValueError) as e:               # e.g. a missing or misspelt option
+            raise ValueError(f"--codec {json.dumps(config)}: {e}") from None
+        opts["key_codec"] = lambda d: from_config(with_dim(config, d))
     elif key_bits or value_bits:
         from .codecs.scalar import TurboQuantMSE
         kb, vb = key_bits or value_bits, value_bits or key_bits

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from ..checks import check_int
 
-__all__ = ["Code", "Codec", "register", "from_config", "CODECS", "check_input", "split_norm",
+__all__ = ["Code", "Codec", "register", "from_config", "with_dim", "CODECS", "check_input", "split_norm",
            "FP16_MAX", "check_norms", "check_int", "mse"]
 
 FP16_MAX = 65504.0
@@ -58,6 +58,16 @@ def from_config(config: Mapping) -> "Codec":
         raise ValueError(f"unknown codec {name!r}; known: {sorted(CODECS)}")
     kwargs = {k: v for k, v in config.items() if k != "codec"}
     return CODECS[name](**kwargs)
+
+
+def with_dim(config: Mapping, dim: int) -> dict:
+    """``config`` for head size ``dim``: a wrapper (a config with an ``"inner"`` codec, e.g.
+    ``Centered``) passes the size to its inner codec; any other codec takes ``"dim"``."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"a codec config is a mapping with a 'codec' key, got {config!r}")
+    if isinstance(config.get("inner"), Mapping):
+        return {**config, "inner": with_dim(config["inner"], dim)}
+    return {**config, "dim": dim}
 
 
 def check_input(x, dim: int, finite: bool = True) -> mx.array:
@@ -170,7 +180,7 @@ class Codec:
 
     def fit_once(self, x: mx.array) -> "Codec":
         """Fit on x if this codec learns from data (``fit``) and has not yet; returns self.
-        Caches call it with the first tensor they see."""
+        (Caches fit on their first ``fit_tokens`` tokens instead: ``TurboQuantKVCache``.)"""
         if hasattr(self, "fit") and not getattr(self, "fitted", True):
             self.fit(x)
         return self
