@@ -2,6 +2,7 @@
 trips keep shape and dtype, ``from_config(config())`` rebuilds the codec bit for bit, the
 bit accounting matches the bytes of a code, and bad input raises clear errors."""
 import math
+import re
 
 import mlx.core as mx
 import pytest
@@ -87,3 +88,36 @@ def test_zero_vectors_stay_finite(any_codec):
     assert mx.all(mx.isfinite(out)).item()
     if name not in ("centered", "transform"):        # codecs with a mean return it there
         assert math.isclose(mx.abs(out).max().item(), 0.0, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["fp16 one-hot 60000", "fp16 one-hot 65504", "x1e-9", "x1e-6", "x1e4", "x1e30",
+                                  "one channel x1e4"])
+def test_one_range_rule_refuse_or_represent_never_garbage(any_codec, case):
+    """Issue #26.6: inside the accepted range some codecs returned Inf (TurboQuant_prod and
+    affine on fp16 one-hots), zeros for tiny input (fp16 norms flushed), or relative errors
+    near 1 (the transform coder far outside its fitted range). Now every codec either
+    refuses with a ValueError that says which range, or returns finite values with its
+    usual error."""
+    name, factory = any_codec
+    codec = make(factory)
+    g = mx.random.normal((1, 2, 5, D), key=mx.random.key(3))
+    one_hot = mx.zeros((1, 2, 5, D)).at[..., 0].add(1.0)
+    x = {"fp16 one-hot 60000": (one_hot * 60000).astype(mx.float16), "fp16 one-hot 65504":
+         (one_hot * 65504).astype(mx.float16), "x1e-9": g * 1e-9, "x1e-6": g * 1e-6, "x1e4": g * 1e4,
+         "x1e30": g * 1e30, "one channel x1e4": g.at[..., 5].multiply(1e4)}[case]
+    try:
+        out = codec.decode(codec.encode(x))
+    except ValueError as e:
+        assert re.search(r"range|span|scale the input|fitted on|exceeds", str(e)), str(e)
+        return
+    assert mx.all(mx.isfinite(out)).item(), f"{name} returned non-finite values for {case}"
+    ref = codec.decode(codec.encode(g))                        # the same codec's error at a normal scale
+    mean = getattr(codec, "mean", None)                        # a codec with a mean codes x − μ
+    mean = 0.0 if mean is None else (mean[:, None, :] if mean.ndim == 2 else mean)
+    rel = lambda a, b: (mx.sum((a.astype(mx.float32) - b.astype(mx.float32)) ** 2)   # noqa: E731
+                        / mx.sum((b.astype(mx.float32) - mean) ** 2)).item()
+    if name == "transform":            # no per-vector scale: its error is absolute, fixed by its fitted levels
+        err = lambda a, b: mx.mean((a.astype(mx.float32) - b.astype(mx.float32)) ** 2).item()   # noqa: E731
+        assert err(out, x) <= 2 * err(ref, g), f"{name}: mean squared error {err(out, x):.3g} on {case}"
+        return
+    assert rel(out, x) < max(0.9, 2 * rel(ref, g)), f"{name}: relative error {rel(out, x):.3g} on {case}"

@@ -172,8 +172,14 @@ def test_reverse_water_filling():
 
 def test_outliers_beyond_fp16_are_refused():
     c = TransformCoder.calibrate(anisotropic(heads=1), 3.0, outliers=1)
+    with pytest.raises(ValueError, match="beyond 16x the range this TransformCoder was fitted on"):
+        c.encode(mx.full((1, 4, D), 1e6))                  # every coefficient far out: refused (#26.6)
+    c = TransformCoder.calibrate(anisotropic(heads=1), 3.0, outliers=1, transform="channels")
+    one = mx.zeros((1, 4, D)).at[..., 3].add(1e6)          # one far coefficient: an outlier, but not in fp16
     with pytest.raises(ValueError, match="fp16's range"):
-        c.encode(mx.full((1, 4, D), 1e6))
+        c.encode(one)
+    x = mx.zeros((1, 4, D)).at[..., 3].add(1e3)            # one far coefficient within fp16: stored exactly
+    assert mx.allclose(c.decode(c.encode(x))[..., 3], x[..., 3], rtol=1e-3).item()
 
 
 def test_kind_is_checked():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..rotation import Rotation
-from .base import Code, Codec, check_input, check_int, register
+from .base import Code, Codec, check_input, check_int, check_spans, register
 
 __all__ = ["AffineCodec"]
 
@@ -64,8 +64,8 @@ class AffineCodec(Codec):
         x = x.reshape(-1, self.dim)                       # mx.quantize wants a matrix
         if self.rotation is not None:
             x = self.rotation.apply(x)
-        if x.size and mx.max(mx.abs(x)).item() > 65504:
-            raise ValueError("input exceeds fp16's range; affine scales are stored in fp16")
+        g = x.reshape(-1, self.dim // self.group_size, self.group_size)
+        check_spans(mx.max(g, axis=-1) - mx.min(g, axis=-1), 1 << self.bits)   # fp16 scales: the range rule
         w, s, b = mx.quantize(x.astype(mx.float16), group_size=self.group_size, bits=self.bits)
         fields = {"w": w, "scales": s, "biases": b}
         return Code({n: a.reshape(*lead, a.shape[-1]) for n, a in fields.items()}, tuple(lead), dtype,

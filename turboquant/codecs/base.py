@@ -18,9 +18,10 @@ import mlx.core as mx
 from ..checks import check_int
 
 __all__ = ["Code", "Codec", "register", "from_config", "with_dim", "CODECS", "check_input", "split_norm",
-           "FP16_MAX", "check_norms", "check_int", "mse"]
+           "FP16_MAX", "FP16_TINY", "check_norms", "check_spans", "check_int", "mse"]
 
 FP16_MAX = 65504.0
+FP16_TINY = 2.0 ** -14          # fp16's smallest normal number
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 CODECS: dict[str, type] = {}
 
@@ -88,15 +89,42 @@ def check_input(x, dim: int, finite: bool = True) -> mx.array:
 
 
 def check_norms(norm: mx.array) -> None:
-    """Refuse NaN/Inf input (it makes a norm non-finite) and norms beyond fp16's range."""
+    """The range rule of every codec that stores a norm in fp16 (one home for it): NaN or
+    Inf input (it makes a norm non-finite), norms above ``FP16_MAX`` and nonzero norms below
+    ``FP16_TINY`` are refused — an fp16 norm there loses precision and flushes to zero below
+    6e-8, a relative error up to 1. All-zero vectors are exact (norm 0). Real keys and
+    values lie far inside (norms 0.16 … 282 on the installed models)."""
     if norm.size:
-        # one sync for both checks: NaN or Inf anywhere in x makes the sum non-finite
-        total, largest = mx.stack([mx.sum(norm), mx.max(norm)]).tolist()
-        if not math.isfinite(total):
+        # one sync for all three: NaN or Inf anywhere in x makes the sum non-finite
+        total, largest, smallest = mx.stack([mx.sum(norm), mx.max(norm),
+                                             mx.min(mx.where(norm > 0, norm, mx.inf))]).tolist()
+        if math.isnan(total):
             raise ValueError("input contains NaN or Inf")
+        if math.isinf(total):
+            raise ValueError(f"input contains NaN or Inf, or a vector whose norm overflows: norms must be "
+                             f"within fp16's range ({FP16_MAX}); scale the input down")
         if largest > FP16_MAX:
             raise ValueError(f"a vector norm of {largest:.4g} exceeds fp16's range "
                              f"({FP16_MAX}); scale the input down")
+        if smallest < FP16_TINY:
+            raise ValueError(f"a vector norm of {smallest:.3g} is below fp16's normal range ({FP16_TINY:.3g}): "
+                             "its stored norm would lose precision or flush to zero; scale the input up "
+                             "(all-zero vectors are fine)")
+
+
+def check_spans(span: mx.array, levels: int) -> None:
+    """The same rule for codes that store an fp16 scale span/(levels − 1) per group
+    (``AffineCodec``): (levels − 1)·scale must stay within fp16 (span ≤ FP16_MAX·(1 − 2⁻¹⁰),
+    allowing for the scale's rounding), and a nonzero scale must be a normal fp16 number."""
+    if span.size:
+        largest, smallest = mx.stack([mx.max(span), mx.min(mx.where(span > 0, span, mx.inf))]).tolist()
+        if largest > FP16_MAX * (1 - 2 ** -10):
+            raise ValueError(f"a group spans {largest:.4g}, beyond what fp16 scales represent "
+                             f"({FP16_MAX * (1 - 2 ** -10):.6g}); scale the input down")
+        if smallest / (levels - 1) < FP16_TINY:
+            raise ValueError(f"a group spans only {smallest:.3g}: its fp16 scale would lose precision or flush "
+                             f"to zero (below {FP16_TINY * (levels - 1):.3g}); scale the input up "
+                             "(constant groups are fine)")
 
 
 def split_norm(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -139,6 +167,11 @@ class Codec:
         code = self._check_code(code)
         if math.prod(code.shape) == 0:
             return mx.zeros((*code.shape, self.dim), code.dtype)
+        if code.dtype == mx.float16:
+            # the input was finite in fp16, so each true coordinate lies within ±FP16_MAX:
+            # saturating there only shrinks the error, where a cast could give Inf
+            x = self._decode(Code(code.arrays, code.shape, mx.float32, code.codec))
+            return mx.clip(x, -FP16_MAX, FP16_MAX).astype(mx.float16)
         return self._decode(code)
 
     def _encode(self, x: mx.array) -> Code:  # pragma: no cover - interface

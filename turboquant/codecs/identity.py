@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import FP16_MAX, Code, Codec, check_input, check_int, register
+from .base import FP16_MAX, FP16_TINY, Code, Codec, check_input, check_int, register
 
 __all__ = ["Identity"]
 
@@ -46,11 +46,20 @@ class Identity(Codec):
     def _encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim, finite=self.dtype != "float16")
-        if self.dtype == "float16" and x.size and not mx.max(mx.abs(x)).item() <= FP16_MAX:
-            if not mx.all(mx.isfinite(x)).item():
-                raise ValueError("input contains NaN or Inf")
-            raise ValueError(f"input exceeds float16's range (|x| <= {FP16_MAX}); use "
-                             "Identity(dim, 'float32') or scale the input down")
+        if self.dtype == "float16" and x.size:
+            # the range rule for values stored in fp16 (as check_norms for norms): |x| ≤ FP16_MAX,
+            # and a nonzero vector must reach FP16_TINY somewhere, or it would flush to zero
+            peak = mx.max(mx.abs(x), axis=-1)
+            largest, smallest = mx.stack([mx.max(peak), mx.min(mx.where(peak > 0, peak, mx.inf))]).tolist()
+            if not largest <= FP16_MAX:
+                if not mx.all(mx.isfinite(x)).item():
+                    raise ValueError("input contains NaN or Inf")
+                raise ValueError(f"input exceeds float16's range (|x| <= {FP16_MAX}); use "
+                                 "Identity(dim, 'float32') or scale the input down")
+            if smallest < FP16_TINY:
+                raise ValueError(f"a vector whose largest entry is {smallest:.3g} lies below float16's normal "
+                                 f"range ({FP16_TINY:.3g}) and would lose precision or flush to zero; use "
+                                 "Identity(dim, 'float32') or scale the input up")
         return Code({"x": x.astype(self._dtype)}, tuple(x.shape[:-1]), dtype, self.config())
 
     def _decode(self, code: Code) -> mx.array:

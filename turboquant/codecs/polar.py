@@ -23,7 +23,7 @@ import numpy as np
 from ..lloyd import QuadratureLaw, ScalarCodebook, lloyd_max
 from ..packing import pack, packed_bytes, unpack
 from ..rotation import Rotation
-from .base import Code, Codec, check_input, check_int, register
+from .base import Code, Codec, check_input, check_int, check_norms, register
 from .scalar import bucketize
 
 __all__ = ["PolarQuant", "angle_codebook", "angle_pdf", "polar_transform", "polar_inverse"]
@@ -160,8 +160,7 @@ class PolarQuant(Codec):
     def _encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim)
-        if x.size and mx.max(mx.linalg.norm(x, axis=-1)).item() > 65504:
-            raise ValueError("a vector norm exceeds fp16's range; scale the input down")
+        check_norms(mx.linalg.norm(x, axis=-1))               # the radius is stored in fp16
         angles, r = polar_transform(self.rotation.apply(self._pad(x)), self.levels)
         idx = [bucketize(psi, t) for psi, t in zip(angles, self._thresholds)]
         arrays = {f"b{b}": pack(mx.concatenate([idx[l] for l in ls], axis=-1), b)

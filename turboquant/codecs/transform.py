@@ -44,6 +44,7 @@ from .base import FP16_MAX, Code, Codec, check_input, check_int, register
 __all__ = ["TransformCoder", "gaussian_distortion", "allocate_bits", "lloyd_1d", "reverse_water_filling"]
 
 TRANSFORMS = ("channels", "klt")
+REACH = 16                  # coefficients beyond REACH × a head's largest level are refused
 _CHUNK = 1 << 14            # vectors per encode step: bounded memory for long contexts
 
 
@@ -169,6 +170,9 @@ class TransformCoder(Codec):
         self.levels0 = self._array("levels0", levels0 if levels0 is not None else [[0.0] * n0] * self.heads,
                                    2, (self.heads, n0))
         self._thresholds = [(t[..., 1:] + t[..., :-1]) / 2 for t in self.levels]
+        # per head, the largest |level|: how far the fitted quantizers reach (the range rule)
+        tables = [mx.abs(t).reshape(self.heads, -1) for t in self.levels] + [mx.abs(self.levels0)]
+        self._reach = mx.maximum(mx.max(mx.concatenate(tables, axis=-1), axis=-1), 1e-30)     # (H,)
         self._config = None
 
     def _array(self, name, value, ndim, shape=None):
@@ -329,6 +333,7 @@ class TransformCoder(Codec):
 
     def _encode_rows(self, xh: mx.array) -> dict:
         y = mx.matmul(xh - self.mean[:, None, :], mx.swapaxes(self.transform, -1, -2))   # (H, N, D)
+        self._check_reach(y)
         fields, dec, bits = {}, [], []
         nz = [g for g in self.groups if g[0]]
         for (b, lo, hi), thr, lev in zip(nz, self._thresholds, self.levels):
@@ -350,6 +355,18 @@ class TransformCoder(Codec):
                                  f"({FP16_MAX}); outliers are stored in fp16: scale the input down")
             fields["ov"] = ov.astype(mx.float16)
         return fields
+
+    def _check_reach(self, y: mx.array) -> None:
+        """The range rule of a fitted coder: a coefficient beyond ``REACH`` times the largest
+        level of its head would come back as that level (a relative error near 1), so a
+        vector with more of them than it stores exactly (``outliers``) is refused."""
+        far = mx.sum(mx.abs(y) > REACH * self._reach[:, None, None], axis=-1)            # (H, N)
+        worst = mx.max(far).item() if far.size else 0
+        if worst > self.outliers:
+            raise ValueError(f"a vector has {worst} coefficient(s) beyond {REACH}x the range this TransformCoder "
+                             f"was fitted on (its largest level, {self._reach.max().item():.4g}); it cannot "
+                             f"represent them ({self.outliers} stored exactly). Refit it on data like this "
+                             "input (turboquant calibrate), or use a TurboQuant codec, which needs no fitting")
 
     @staticmethod
     def _gather(levels: mx.array, idx: mx.array) -> mx.array:
