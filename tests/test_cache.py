@@ -123,9 +123,9 @@ def test_rotating_memory_is_constant_over_65536_steps():
         for step in range(1, 65537):
             c.update_and_fetch(x, x)
             if step % 256 == 0:
-                mx.eval(c.keys.fields, c.values.fields)
+                mx.eval(c.key_codes.fields, c.value_codes.fields)
             if step in (W, 1024, 16384, 65536):
-                mx.eval(c.keys.fields, c.values.fields)
+                mx.eval(c.key_codes.fields, c.value_codes.fields)
                 sizes[step] = c.nbytes
     assert len(set(sizes.values())) == 1 and c.offset == 65536 and c.size() == W
 
@@ -201,8 +201,8 @@ def test_corrupt_truncated_and_foreign_files_raise(tmp_path, llama):
     with pytest.raises(ValueError, match="no TurboQuant header"):
         load_prompt_cache(tmp_path / "foreign.safetensors")
     arrays, meta = mx.load(str(good), return_metadata=True)
-    assert '"version": 2' in meta["turboquant"]
-    meta["turboquant"] = meta["turboquant"].replace('"version": 2', '"version": 99')
+    assert '"version": 3' in meta["turboquant"]
+    meta["turboquant"] = meta["turboquant"].replace('"version": 3', '"version": 99')
     mx.save_safetensors(str(tmp_path / "future.safetensors"), arrays, meta)
     with pytest.raises(ValueError, match="version 99"):
         load_prompt_cache(tmp_path / "future.safetensors")
@@ -215,7 +215,7 @@ def test_corrupt_truncated_and_foreign_files_raise(tmp_path, llama):
     assert good.read_bytes() == data                 # failed loads never touch the file
 
 
-@pytest.mark.parametrize("version", ["1", "true", "1.0", '"2"'])
+@pytest.mark.parametrize("version", ["1", "true", "1.0", '"3"'])
 def test_the_file_cannot_switch_its_checksum_off(tmp_path, llama, version):
     """Issue #26.3: a header that claims version 1 (or a version that only looks like an
     int) used to skip the SHA-256 check, so tampered tensors loaded."""
@@ -225,7 +225,7 @@ def test_the_file_cannot_switch_its_checksum_off(tmp_path, llama, version):
     save_prompt_cache(good, cache)
     arrays, meta = mx.load(str(good), return_metadata=True)
     arrays["0.k.norm"] = arrays["0.k.norm"] * 2                      # tampered tensors
-    meta["turboquant"] = meta["turboquant"].replace('"version": 2', f'"version": {version}')
+    meta["turboquant"] = meta["turboquant"].replace('"version": 3', f'"version": {version}')
     mx.save_safetensors(str(tmp_path / "t.safetensors"), arrays, meta)
     with pytest.raises(ValueError, match="version"):
         load_prompt_cache(tmp_path / "t.safetensors")
@@ -341,6 +341,25 @@ def test_a_failed_forward_pass_marks_the_prompt_cache_unusable(llama):
     assert {c.offset for c in fresh} == {2}
 
 
+def test_a_slice_of_the_cache_list_is_refused(llama):
+    """Issue #26.11: mlx-lm zips layers with caches, so ``cache[:k]`` runs k layers silently."""
+    n = len(make_prompt_cache(llama))
+    assert n >= 2
+    cache = make_prompt_cache(llama, key_codec=lambda d: TurboQuantMSE(d, 4))
+    llama(tokens(3), cache=cache[:n - 1])                      # the first call cannot tell...
+    with pytest.raises(ValueError, match=rf"layer\(s\) {n - 1}\.\.{n - 1} were not.*cache\[:1\]"):
+        llama(tokens(1, seed=1), cache=cache[:n - 1])          # ...the next one does
+    with pytest.raises(ValueError, match="unusable"):
+        llama(tokens(1, seed=1), cache=cache)                  # and the whole list stays refused
+    tail = make_prompt_cache(llama, key_codec=lambda d: TurboQuantMSE(d, 4))
+    with pytest.raises(ValueError, match=r"layer 1 was given tokens while layer\(s\) 0\.\.0"):
+        llama(tokens(3), cache=tail[1:])                       # a list without its first layers: at once
+    whole = make_prompt_cache(llama, key_codec=lambda d: TurboQuantMSE(d, 4))
+    for t in (3, 1, 2):                                        # the whole list in any chunking is fine
+        llama(tokens(t), cache=whole)
+    assert {c.offset for c in whole} == {6}
+
+
 def test_another_batch_or_head_count_after_the_first_update_is_a_clear_error():
     """Issue #26.11: a raw mlx broadcast error before."""
     c = TurboQuantKVCache(TurboQuantMSE(16, 4))
@@ -351,3 +370,93 @@ def test_another_batch_or_head_count_after_the_first_update_is_a_clear_error():
         with pytest.raises(ValueError, match="this cache holds batch 1 × 2 kv heads"):
             c.update_and_fetch(x, x)
     assert c.offset == 5
+
+
+CENTERED = dict(key_codec=lambda d: Centered(TurboQuantMSE(d, 3)), value_codec=lambda d: TurboQuantMSE(d, 3),
+                sink_tokens=1)
+
+
+@pytest.mark.parametrize("fit_tokens", [8, 32])
+def test_a_learning_codec_gives_the_same_result_however_the_prompt_is_fed(llama, fit_tokens):
+    """Issue #26.2: Centered's mean came from the first chunk alone (perplexity 32.50 as one
+    chunk, 33.28 as 1 + 255, 32.28 in chunks of 16). Now it is fitted on the first
+    ``fit_tokens`` tokens after the sinks, which stay exact with them: every chunking gives the same
+    logits to float rounding."""
+    toks = tokens(48)
+    outs, means = [], []
+    for chunks in ([48], [1, 47], [4] * 12, [5, 2, 30, 11], [1] * 10 + [38]):
+        cache = make_prompt_cache(llama, **CENTERED)
+        for c in cache:
+            c.fit_tokens = fit_tokens
+        outs.append(run(llama, cache, toks, chunks))
+        means.append(cache[1].key_codec.mean)
+        assert cache[0].sink_tokens == 1 + fit_tokens and cache[0].learning is False
+    for o, m in zip(outs[1:], means[1:]):
+        assert mx.max(mx.abs(o - outs[0])).item() < 1e-4
+        assert mx.max(mx.abs(m - means[0])).item() < 1e-5
+    # the mean is layer 0's keys averaged over positions 1 … F (after the one sink)
+    exact = mlx_make_prompt_cache(llama)
+    llama(toks, cache=exact)
+    k0 = exact[0].state[0][0, :, 1:1 + fit_tokens, :]
+    cache = make_prompt_cache(llama, **CENTERED)
+    for c in cache:
+        c.fit_tokens = fit_tokens
+    run(llama, cache, toks, [48])
+    assert mx.max(mx.abs(cache[0].key_codec.mean - mx.mean(k0, axis=1))).item() < 1e-5
+
+
+def test_a_cache_saved_while_its_codec_learns_continues_as_if_never_saved(llama, tmp_path):
+    """Short prompts (fewer than fit_tokens) are saved mid-fit: the exact first tokens and
+    the chunks so far travel in the file, and the loaded cache goes on exactly."""
+    toks = tokens(40)
+    whole = make_prompt_cache(llama, **CENTERED)
+    ref = run(llama, whole, toks, [10, 30])
+    cache = make_prompt_cache(llama, **CENTERED)
+    run(llama, cache, toks[:, :10], [10])
+    assert cache[0].learning and cache[0].nbytes > 0
+    path = tmp_path / "warm.safetensors"
+    save_prompt_cache(path, cache, model=llama)
+    loaded = load_prompt_cache(path, model=llama)
+    assert loaded[0].learning and loaded[0].meta_state["learning"]["chunks"] == [10]
+    out = llama(toks[:, 10:], cache=loaded)
+    assert mx.max(mx.abs(out - ref[:, 10:])).item() < 1e-4 and loaded[0].learning is False
+    import copy
+    twin = copy.deepcopy(cache)                                 # mlx-lm copies caches too
+    assert mx.max(mx.abs(llama(toks[:, 10:], cache=twin) - ref[:, 10:])).item() < 1e-4
+
+
+def test_trimming_while_a_codec_learns_forgets_the_trimmed_tokens(llama):
+    toks = tokens(40)
+    ref = run(llama, make_prompt_cache(llama, **CENTERED), toks, [40])
+    cache = make_prompt_cache(llama, **CENTERED)
+    run(llama, cache, tokens(12, seed=5), [12])               # 12 tokens the cache should forget
+    for c in cache:
+        assert c.trim(12) == 12
+    out = run(llama, cache, toks, [6, 34])
+    assert mx.max(mx.abs(out - ref)).item() < 1e-4
+
+
+def test_a_failed_update_while_learning_changes_nothing(llama):
+    cache = make_prompt_cache(llama, **CENTERED)
+    run(llama, cache, tokens(5), [5])
+    before = {n: mx.array(a) for n, a in cache[0].state[0].items()}, cache[0].key_codec.mean
+    with pytest.raises(ValueError):
+        cache[0].update_and_fetch(mx.full((1, 2, 3, 16), float("nan")), mx.zeros((1, 2, 3, 16)))
+    assert cache[0].offset == 5 and cache[0].meta_state["learning"]["chunks"] == [5]
+    assert all(mx.array_equal(a, cache[0].state[0][n]).item() for n, a in before[0].items())
+    assert mx.array_equal(before[1], cache[0].key_codec.mean).item()
+
+
+def test_a_ring_with_a_learning_codec_shares_the_fit_not_the_first_queries():
+    """A rotating cache has no sinks, so the first ``fit_tokens`` queries see provisional
+    fits that depend on the chunking: documented, and measured here (the fit itself is
+    the same: layer 0's mean does not depend on the chunking)."""
+    model = tiny_model("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+    toks = tokens(48)
+    outs, means = [], []
+    for chunks in ([48], [4] * 12):
+        cache = make_prompt_cache(model, key_codec=lambda d: Centered(TurboQuantMSE(d, 3)), max_kv_size=40)
+        outs.append(run(model, cache, toks, chunks))
+        means.append(cache[0].key_codec.mean)
+        assert cache[0].learning is False and cache[0].sink_tokens == 0
+    assert mx.max(mx.abs(means[1] - means[0])).item() < 1e-5

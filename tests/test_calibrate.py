@@ -151,3 +151,56 @@ def test_calibrate_cli_reports_a_missing_model_in_one_line(capsys):
 def test_a_budget_without_candidates_is_refused(model):
     with pytest.raises(ValueError, match="no calibrated configuration fits 0.05 bits"):
         cal.calibrate(model, ByteTokenizer(), [0.05], name="t", text=TEXT, windows=1, heldout=512, progress=False)
+
+
+def test_fitted_coders_are_kept_on_disk_and_a_damaged_file_is_refitted(model, profile, tmp_path, monkeypatch):
+    """Issue #26.8: every process refitted the profile (minutes on the real models)."""
+    import turboquant.calibrated as fitted
+    monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
+    cal.clear_memo()
+    keys, values, _, _ = cal.profile_codecs(model, profile, 4.25)
+    (stored,) = (tmp_path / "coders").glob("*.safetensors")
+    cal.clear_memo()
+
+    def no_fitting(*a, **k):
+        raise AssertionError("refitted although the coders were on disk")
+    monkeypatch.setattr(fitted, "fit_layers", no_fitting)
+    k2, v2, _, _ = cal.profile_codecs(model, profile, 4.25)               # read back: the same codecs
+    assert [c.config() for c in k2 + v2] == [c.config() for c in keys + values]
+    monkeypatch.undo()
+    monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
+    stored.write_bytes(stored.read_bytes()[:-10])                         # damaged: reported, refitted
+    cal.clear_memo()
+    with pytest.warns(RuntimeWarning, match="damaged coder file"):
+        k3, _, _, _ = cal.profile_codecs(model, profile, 4.25)
+    assert [c.config() for c in k3] == [c.config() for c in keys]
+    cal.clear_memo()
+    assert [c.config() for c in cal.profile_codecs(model, profile, 4.25)[0]] == [c.config() for c in keys]
+
+
+def test_a_calibrated_cache_file_carries_its_coders_as_tensors(model, profile, tmp_path, monkeypatch):
+    """Issue #26.8: each layer's TransformCoder was written into the JSON header as decimal
+    text (38.5 MB for 18 tokens on SmolLM2). Now the arrays are tensors, each stored once."""
+    monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
+    cal.save_profile(profile, cal.profile_path("tiny"))
+    cache = tq.make_prompt_cache(model, bits=4.25)
+    model(mx.array([list(range(5, 23))]), cache=cache)
+    path = tmp_path / "c.safetensors"
+    tq.save_prompt_cache(path, cache)
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    coder_bytes = sum(a.nbytes for n, a in arrays.items() if n.startswith("c."))
+    assert len(meta["turboquant"]) < 4000                 # the header: settings and references only
+    assert path.stat().st_size < 1.2 * (coder_bytes + sum(a.nbytes for a in arrays.values()))
+    loaded = tq.load_prompt_cache(path, model=model)
+    assert [c.key_codec.config() for c in loaded] == [c.key_codec.config() for c in cache]
+    nxt = mx.array([[40, 41]])
+    assert mx.array_equal(model(nxt, cache=loaded), model(nxt, cache=cache)).item()
+    # two layers with one coder store it once: the same arrays under one name
+    twin = tq.make_prompt_cache(model, key_codec=[cache[0].key_codec] * 2, value_codec=[cache[0].value_codec] * 2)
+    model(mx.array([list(range(5, 23))]), cache=twin)
+    tq.save_prompt_cache(tmp_path / "twin.safetensors", twin)
+    once = {n for n in mx.load(str(tmp_path / "twin.safetensors")) if n.startswith("c.")}
+    from turboquant.codec_tensors import to_tensors
+    layer0: dict = {}
+    to_tensors([cache[0].key_codec.config(), cache[0].value_codec.config()], layer0)
+    assert once == set(layer0)

@@ -66,15 +66,17 @@ def test_cache_with_centered_keys_and_sinks_saves_trims_and_reloads(tmp_path):
     from turboquant.cache import TurboQuantKVCache
     from turboquant.prompt_cache import load_prompt_cache, save_prompt_cache
     k, v = offset_keys(seed=1, T=100), offset_keys(seed=2, T=100)
-    c = TurboQuantKVCache(Centered(TurboQuantMSE(64, 3)), TurboQuantMSE(64, 2), sink_tokens=2)
+    c = TurboQuantKVCache(Centered(TurboQuantMSE(64, 3)), TurboQuantMSE(64, 2), sink_tokens=2, fit_tokens=3)
     c.update_and_fetch(k[:, :, :1], v[:, :, :1])          # the sink fills across updates
     kh, vh = c.update_and_fetch(k[:, :, 1:], v[:, :, 1:])
-    assert mx.array_equal(kh[:, :, :2], k[:, :, :2]) and mx.array_equal(vh[:, :, :2], v[:, :, :2])
-    assert not mx.array_equal(kh[:, :, 2:3], k[:, :, 2:3])
-    assert c.nbytes == c.code_nbytes(256) + 2 * 3 * 2 * 64 * 4       # codes (one 256 step) + sinks
+    # the 2 sinks and the 3 tokens the mean is fitted on stay exact
+    assert c.sink_tokens == 5 and mx.array_equal(c.key_codec.mean, mx.mean(k[0, :, 2:5], axis=1))
+    assert mx.array_equal(kh[:, :, :5], k[:, :, :5]) and mx.array_equal(vh[:, :, :5], v[:, :, :5])
+    assert not mx.array_equal(kh[:, :, 5:6], k[:, :, 5:6])
+    assert c.nbytes == c.code_nbytes(256) + 5 * 3 * 2 * 64 * 4       # codes (one 256 step) + exact tokens
     save_prompt_cache(tmp_path / "c.safetensors", [c])
     (d,) = load_prompt_cache(tmp_path / "c.safetensors")
-    assert d.sink_tokens == 2 and d.key_codec == c.key_codec
+    assert d.sink_tokens == 5 and d.fit_tokens == 3 and d.key_codec == c.key_codec
     k1, v1 = c.update_and_fetch(k[:, :, :1], v[:, :, :1])
     k2, v2 = d.update_and_fetch(k[:, :, :1], v[:, :, :1])
     assert mx.array_equal(k1, k2) and mx.array_equal(v1, v2)

@@ -130,22 +130,6 @@ def test_trim_cache_with_generate(model):
     assert toks == toks2 and all(mx.allclose(a, b).item() for a, b in zip(logits, logits2))
 
 
-def test_cache_copying():
-    cache = [tq.TurboQuantKVCache(exact())]
-    x = mx.random.uniform(shape=(1, 8, 10, 4))
-    cache[0].update_and_fetch(x, x)
-    y = mx.random.uniform(shape=(1, 8, 1, 4))
-    cache[0].update_and_fetch(y, y)
-    old = copy.deepcopy(cache)
-    trim_prompt_cache(cache, 1)
-    assert old[0].offset == 11 and cache[0].offset == 10
-    z = mx.random.uniform(shape=(1, 8, 1, 4))
-    k, _ = cache[0].update_and_fetch(z, z)
-    w = mx.random.uniform(shape=(1, 8, 1, 4))
-    ok, _ = old[0].update_and_fetch(w, w)
-    assert mx.allclose(ok[..., 10:11, :], y).item() and mx.allclose(k[..., 10:11, :], z).item()
-
-
 @pytest.mark.parametrize("max_size, steps", [(8, [20, 1, 1, 1]), (8, [3, 1, 1, 1, 1, 1, 1, 1])])
 def test_rotating_masks_and_updates_equal_mlx_lm(max_size, steps):
     ours, ref = tq.TurboQuantRotatingKVCache(max_size, exact()), RotatingKVCache(max_size=max_size)
@@ -198,3 +182,39 @@ def test_a_ring_from_tokens_continues_like_one_that_saw_them():
         tq.TurboQuantRotatingKVCache.from_tokens(8, x, x, exact(), offset=3)
     with pytest.raises(ValueError, match="holds 8 of them; 3 given"):     # too few for its history
         tq.TurboQuantRotatingKVCache.from_tokens(8, x[..., :3, :], x[..., :3, :], exact(), offset=10)
+
+
+def test_cache_copying():
+    """mlx-lm's ``test_cache_copying`` as written there: ``keys`` reads like ``KVCache.keys``
+    (issue #26.12: it was a code buffer)."""
+    cache = [tq.TurboQuantKVCache(exact())]
+    x = mx.random.uniform(shape=(1, 8, 10, 4))
+    cache[0].update_and_fetch(x, x)
+    y = mx.random.uniform(shape=(1, 8, 1, 4))
+    cache[0].update_and_fetch(y, y)
+    old_cache = copy.deepcopy(cache)
+    trim_prompt_cache(cache, 1)
+    assert old_cache[0].offset == 11 and cache[0].offset == 10
+    z = mx.random.uniform(shape=(1, 8, 1, 4))
+    cache[0].update_and_fetch(z, z)
+    assert mx.allclose(old_cache[0].keys[..., 10:11, :], y).item()
+    assert mx.allclose(cache[0].keys[..., 10:11, :], z).item()
+    assert mx.allclose(cache[0].values[..., :10, :], x).item()
+
+
+def test_keys_and_values_are_views_that_take_an_mx_depends():
+    """deepseek_v2/v3, glm4_moe, ministral3 and qwen3_5 write ``cache[-1].keys =
+    mx.depends(cache[-1].keys, h)``: accepted; anything else is refused (a read-only view)."""
+    for c in (tq.TurboQuantKVCache(tq.TurboQuantMSE(16, 4)), tq.TurboQuantRotatingKVCache(6, tq.TurboQuantMSE(16, 4))):
+        assert c.keys is None and c.values is None
+        x = mx.random.normal((1, 2, 9, 16), key=mx.random.key(0))
+        k, v = c.update_and_fetch(x, x)
+        assert mx.array_equal(c.keys, k).item() and mx.array_equal(c.values, v).item()
+        h = mx.ones((3,))
+        c.keys = mx.depends(c.keys, h)
+        c.values = mx.depends(c.values, h)
+        assert mx.array_equal(c.keys, k).item() and c.offset == 9
+        with pytest.raises(ValueError, match="read-only view"):
+            c.keys = mx.zeros((1, 2, 3, 16))
+    with pytest.raises(ValueError, match="empty"):
+        tq.TurboQuantKVCache(exact()).values = mx.zeros((1, 1, 1, 4))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import turboquant as tq
+from turboquant.cache import FIT_TOKENS
 from turboquant.suite import CONFIGS
 from turboquant.codecs.base import Code
 
@@ -470,9 +471,10 @@ def test_to_turboquant_takes_the_options_of_make_prompt_cache(llama):
     kept = tq.to_turboquant(ref, sink_tokens=2, fp_window=3)
     direct = tq.make_prompt_cache(llama, bits=4.25)
     run_in_chunks(llama, t, direct, [30])
-    assert conv[0].sink_tokens == direct[0].sink_tokens == 1
+    assert conv[0].sink_tokens == direct[0].sink_tokens == 1 + FIT_TOKENS       # the sink, the fit tokens
     assert conv[0].key_codec.name == direct[0].key_codec.name == "centered"
-    assert mx.array_equal(conv[0].sink_keys, keys[..., :1, :]).item()                  # the sink is exact
+    held = conv[0].sink_keys.shape[2]
+    assert held == min(30, 1 + FIT_TOKENS) and mx.array_equal(conv[0].sink_keys, keys[..., :held, :]).item()
     nxt = toks(1, seed=3)
     exact = llama(nxt, cache=ref)
     from turboquant.attention import cosine_similarity

@@ -2,7 +2,8 @@
 
 ``TurboQuantKVCache`` follows mlx-lm's cache protocol (``offset``, ``update_and_fetch``,
 ``state``/``meta_state``, ``from_state``, ``is_trimmable``/``trim``, ``make_mask``, ``empty``,
-``nbytes``, ``size``). It stores only codes — per-token fields of shape (B, H_kv, T, w) —
+``nbytes``, ``size``; ``keys``/``values`` are read-only decoded views, as mlx-lm code reads
+them). It stores only codes (``key_codes``/``value_codes``) — per-token fields of shape (B, H_kv, T, w) —
 grown in steps of 256 tokens, plus optional full-precision copies of the most recent R
 tokens and of the first S tokens (attention sinks: Chapter 9 shows why they matter once
 keys are centered). ``update_and_fetch`` returns dequantized K and V, so any model's usual attention
@@ -61,6 +62,14 @@ def causal_mask(N: int, offset: int, return_array: bool = False, window_size: Op
     return None if N == 1 else "causal"
 
 
+FIT_TOKENS = 16   # a learning codec is fitted on this many tokens after the sinks
+
+
+def _fitted(codec: Codec) -> bool:
+    """False for a codec that learns from data (``fit``) and has not yet."""
+    return not hasattr(codec, "fit") or getattr(codec, "fitted", True)
+
+
 def _check_trim(n) -> int:
     return check_int("trim(n): n", n, 0)
 
@@ -79,21 +88,31 @@ class TurboQuantKVCache:
     ``fp_window`` = R keeps the most recent R tokens in full precision as well, and
     ``sink_tokens`` = S the first S tokens of the sequence (their codes are stored too, so
     trimming and eviction stay exact).
+
+    A codec that learns from data (``Centered``'s mean, ``OutlierSplit``'s channels) is
+    fitted on the first ``fit_tokens`` = F tokens after the sinks (positions S … S + F − 1),
+    whatever chunks they arrive in, and those tokens stay exact (``sink_tokens`` becomes
+    S + F at the first update): until F tokens have been seen each update refits on
+    all of them and re-encodes what it holds (``_learn``). Every query therefore sees the
+    same cache however the prompt is fed, to float rounding. (A rotating cache has no
+    sinks: there only the fit is shared, see ``TurboQuantRotatingKVCache``.)
     """
 
     step = 256
 
     def __init__(self, key_codec: Codec, value_codec: Optional[Codec] = None, fp_window: int = 0,
-                 sink_tokens: int = 0):
+                 sink_tokens: int = 0, *, fit_tokens: int = FIT_TOKENS):
         if not isinstance(key_codec, Codec) or not isinstance(value_codec or key_codec, Codec):
             raise TypeError("key_codec and value_codec must be turboquant codecs")
         fp_window, sink_tokens = check_int("fp_window", fp_window, 0), check_int("sink_tokens", sink_tokens, 0)
+        self.fit_tokens = check_int("fit_tokens", fit_tokens, 1)
+        self._warm: Optional[dict] = None   # while a codec learns: the first tokens, exact (``_learn``)
         self.sink_tokens = sink_tokens
         self.sink_keys = self.sink_values = None
         self.key_codec, self.value_codec = key_codec, value_codec or key_codec
         self.fp_window = fp_window
-        self.keys: Optional[CodeBuffer] = None
-        self.values: Optional[CodeBuffer] = None
+        self.key_codes: Optional[CodeBuffer] = None
+        self.value_codes: Optional[CodeBuffer] = None
         self.recent_keys = self.recent_values = None
         self.offset = 0
         self.dtype = mx.float32
@@ -101,6 +120,40 @@ class TurboQuantKVCache:
         self.group = None          # {"caches": that list, "broken": why it is unusable, or None}
 
     # ---------------------------------------------------------------- protocol
+    @property
+    def keys(self) -> Optional[mx.array]:
+        """The held keys (B, H_kv, T, D) as attention reads them — decoded from the codes,
+        exact where held exactly — or None while empty: what mlx-lm's ``KVCache.keys[...,
+        :offset, :]`` holds. A view, computed (lazily) on each read; the cache stores only
+        codes (``key_codes``, a ``CodeBuffer``)."""
+        return None if self.key_codes is None else self.codes()[0].dequantize()
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._depend("keys", value)
+
+    @property
+    def values(self) -> Optional[mx.array]:
+        """The held values (B, H_kv, T, D): a view like ``keys`` (codes in ``value_codes``)."""
+        return None if self.value_codes is None else self.codes()[1].dequantize()
+
+    @values.setter
+    def values(self, value) -> None:
+        self._depend("values", value)
+
+    def _depend(self, name: str, value) -> None:
+        """Several mlx-lm models order evaluation with ``cache.keys = mx.depends(cache.keys, h)``:
+        an array of the view's shape is accepted, and the codes are made to depend on it
+        (its values are the view's own; anything else is refused — the view is read-only)."""
+        held = getattr(self, name)
+        if held is None or not isinstance(value, mx.array) or value.shape != held.shape:
+            raise ValueError(f"cache.{name} is a read-only view of the codes "
+                             f"({'empty' if held is None else tuple(held.shape)}); only an mx.depends of "
+                             f"it may be assigned, got {getattr(value, 'shape', type(value).__name__)}")
+        buf = self.key_codes if name == "keys" else self.value_codes
+        names = list(buf.fields)
+        buf.fields = dict(zip(names, mx.depends([buf.fields[n] for n in names], [value])))
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store ``keys``/``values`` (B, H_kv, T, D) and return what attention reads. A layer
         that fails changes nothing of itself; but if layers before it in the same prompt
@@ -110,6 +163,8 @@ class TurboQuantKVCache:
         group = getattr(self, "group", None)
         if group is not None and group["broken"]:
             raise ValueError(group["broken"])
+        if group is not None:
+            self._check_in_step(group, keys.shape[2] if getattr(keys, "ndim", 0) == 4 else 0)
         try:
             return self._update_and_fetch(keys, values)
         except Exception as e:
@@ -125,23 +180,115 @@ class TurboQuantKVCache:
                     raise ValueError(group["broken"]) from e
             raise
 
+    def _check_in_step(self, group: dict, T: int) -> None:
+        """A model runs its layers in order, so before layer i takes T tokens at offset o,
+        the layers before it hold o + T and those after it o. Otherwise the list the model
+        was given is not the whole prompt cache (e.g. ``cache[:10]``: mlx-lm zips layers
+        with caches and silently runs 10 of 30 layers): refuse, and mark the cache unusable."""
+        caches, o = group["caches"], self.offset
+        i = next((n for n, c in enumerate(caches) if c is self), None)
+        if i is None:
+            return
+        before = [n for n in range(i) if caches[n].offset != o + T]
+        after = [n for n in range(i + 1, len(caches)) if caches[n].offset != o]
+        if before or after:
+            odd = before or after
+            group["broken"] = (f"this prompt cache is unusable: layer {i} was given tokens while layer(s) "
+                               f"{odd[0]}..{odd[-1]} were not, so the model was passed only part of the "
+                               f"cache list (a slice such as cache[{f':{odd[0]}' if after else f'{odd[-1] + 1}:'}]?); pass the "
+                               f"whole list of {len(caches)} caches. Make a new cache (make_prompt_cache) "
+                               "or load a saved one")
+            raise ValueError(group["broken"])
+
     def _update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check(keys, values)
+        if self._warm is not None or not (_fitted(self.key_codec) and _fitted(self.value_codec)):
+            return self._learn(keys, values)
+        self._store(keys, values)
+        return self._fetch(*self._held())
+
+    def _learn(self, keys: mx.array, values: mx.array):
+        """An update while a codec still learns (fewer than S + ``fit_tokens`` tokens seen): fit
+        fresh codecs (rebuilt from their unfitted configurations) on positions S … S + F − 1 of
+        the exact tokens seen so far, re-run every update since the first into an empty
+        cache, and adopt the result — all or nothing, so a failure changes nothing."""
+        w = self._warm or {"start": self.offset, "chunks": [], "k": None, "v": None,
+                           "configs": [self.key_codec.config(), self.value_codec.config()],
+                           "shared": self.value_codec is self.key_codec, "fit_from": self.sink_tokens}
+        seen, T, F = sum(w["chunks"]), keys.shape[2], w["fit_from"] + self.fit_tokens
+        k_all = keys if w["k"] is None else mx.concatenate([w["k"], keys], axis=2)
+        v_all = values if w["v"] is None else mx.concatenate([w["v"], values], axis=2)
+        chunks = w["chunks"] + [T]
+        kc, vc = self._fitted_codecs(w, k_all, v_all)
+        shadow = self._emptied(w["start"], kc, vc)
+        shadow.sink_tokens = self._sinks_while_learning(w["fit_from"])
+        if len(chunks) == 1 or shadow._merges(seen + T):
+            shadow._store(k_all, v_all)
+        else:
+            pos = 0
+            for c in chunks:
+                shadow._store(k_all[..., pos:pos + c, :], v_all[..., pos:pos + c, :])
+                pos += c
+        n = min(seen + T, F)
+        shadow._warm = None if seen + T >= F else {**w, "chunks": chunks, "k": k_all[..., :n, :],
+                                                   "v": v_all[..., :n, :]}
+        self.__dict__.update(shadow.__dict__)
+        return self._fetch(*self._held())
+
+    def _fitted_codecs(self, w: dict, k_all: mx.array, v_all: mx.array):
+        """Codecs rebuilt from ``w``'s unfitted configurations and fitted on positions
+        S … min(seen, S + F) − 1 (on the sinks themselves while no more than S were seen)."""
+        from .codecs.base import from_config
+        n = min(k_all.shape[2], w["fit_from"] + self.fit_tokens)
+        lo = w["fit_from"] if n > w["fit_from"] else 0
+        kc = from_config(w["configs"][0])
+        vc = kc if w["shared"] else from_config(w["configs"][1])
+        for codec, x in ((kc, k_all), (vc, v_all)):
+            if not _fitted(codec):
+                codec.fit(x[..., lo:n, :])
+        return kc, vc
+
+    def _emptied(self, offset: int, key_codec: Codec, value_codec: Codec) -> "TurboQuantKVCache":
+        """A shallow copy holding nothing, at ``offset``, with these codecs."""
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.key_codec, new.value_codec = key_codec, value_codec
+        new.key_codes = new.value_codes = new.recent_keys = new.recent_values = new.sink_keys = new.sink_values = None
+        new.offset = offset
+        return new
+
+    @property
+    def learning(self) -> bool:
+        """True while a codec of this cache is still being fitted (fewer than ``sink_tokens`` +
+        ``fit_tokens`` tokens seen; ``meta_state["learning"]`` says on which chunks)."""
+        return self._warm is not None
+
+    def _sinks_while_learning(self, sinks: int) -> int:
+        """The sinks and the ``fit_tokens`` tokens after them stay exact: every query among them then
+        sees them exactly however the prompt is fed, so their hidden states, and so the keys
+        the codec is fitted on and everything after them, do not depend on the chunking."""
+        return sinks + self.fit_tokens
+
+    def _merges(self, n_tokens: int) -> bool:
+        """Whether storing ``n_tokens`` in one update leaves the same cache as storing them in
+        several (true of a plain cache; ``_learn`` replays chunk by chunk otherwise)."""
+        return True
+
+    def _store(self, keys: mx.array, values: mx.array) -> None:
         kc, vc = self._encode(keys, values)
         prev, T = self.offset, keys.shape[2]
-        if self.keys is None or prev + T > self.keys.length:
+        if self.key_codes is None or prev + T > self.key_codes.length:
             n = -(-T // self.step) * self.step
-            if self.keys is None:
-                self.keys, self.values = kc.zeros(n), vc.zeros(n)
+            if self.key_codes is None:
+                self.key_codes, self.value_codes = kc.zeros(n), vc.zeros(n)
             else:
-                self.keys = CodeBuffer.concat([self.keys.slice(0, prev), kc.zeros(n)])
-                self.values = CodeBuffer.concat([self.values.slice(0, prev), vc.zeros(n)])
-        self.keys.assign(prev, kc)
-        self.values.assign(prev, vc)
+                self.key_codes = CodeBuffer.concat([self.key_codes.slice(0, prev), kc.zeros(n)])
+                self.value_codes = CodeBuffer.concat([self.value_codes.slice(0, prev), vc.zeros(n)])
+        self.key_codes.assign(prev, kc)
+        self.value_codes.assign(prev, vc)
         self._update_sink(prev, keys, values)
         self.offset += T
         self._update_recent(keys, values)
-        return self._fetch(*self._held())
 
     def _check(self, keys, values):
         for name, a, codec in (("keys", keys, self.key_codec), ("values", values, self.value_codec)):
@@ -150,16 +297,15 @@ class TurboQuantKVCache:
                                  f"got {getattr(a, 'shape', type(a).__name__)}")
         if keys.shape[:3] != values.shape[:3]:
             raise ValueError(f"keys {keys.shape} and values {values.shape} disagree in (B, H, T)")
-        if self.keys is not None:
-            held = tuple(next(iter(self.keys.fields.values())).shape[:2])
+        if self.key_codes is not None:
+            held = tuple(next(iter(self.key_codes.fields.values())).shape[:2])
             if tuple(keys.shape[:2]) != held:
                 raise ValueError(f"this cache holds batch {held[0]} × {held[1]} kv heads; new keys have "
                                  f"{keys.shape[0]} × {keys.shape[1]} (a cache serves one batch and model)")
         self.dtype = keys.dtype
 
     def _encode(self, keys, values):
-        kc = self.key_codec.fit_once(keys).encode(keys)
-        vc = self.value_codec.fit_once(values).encode(values)
+        kc, vc = self.key_codec.encode(keys), self.value_codec.encode(values)
         return CodeBuffer(kc.arrays), CodeBuffer(vc.arrays)
 
     def _update_sink(self, prev, keys, values):
@@ -185,13 +331,13 @@ class TurboQuantKVCache:
     def codes(self):
         """The held tokens as (keys, values) ``CodesView`` objects, in the order attention reads
         them (what ``update_and_fetch`` returns under ``codes_attention``)."""
-        if self.keys is None:
+        if self.key_codes is None:
             raise ValueError("the cache is empty: no codes yet")
         return self._fetch_views(*self._held())
 
     def _held(self) -> tuple[CodeBuffer, CodeBuffer]:
         """The key and value buffers of the held tokens."""
-        return self.keys.slice(0, self.offset), self.values.slice(0, self.offset)
+        return self.key_codes.slice(0, self.offset), self.value_codes.slice(0, self.offset)
 
     def _fetch_views(self, kbuf: CodeBuffer, vbuf: CodeBuffer):
         k = CodesView(self.key_codec, kbuf, self.dtype, self.recent_keys, self.sink_keys)
@@ -202,7 +348,7 @@ class TurboQuantKVCache:
         return self.offset
 
     def empty(self) -> bool:
-        return self.keys is None
+        return self.key_codes is None
 
     def is_trimmable(self) -> bool:
         """True unless ``fp_window`` > 0: trimming would leave fewer than R exact recent
@@ -225,24 +371,41 @@ class TurboQuantKVCache:
         if self.sink_keys is not None and self.sink_keys.shape[2] > self.offset:
             self.sink_keys = self.sink_keys[..., :self.offset, :]
             self.sink_values = self.sink_values[..., :self.offset, :]
+        self._trim_warm()
         return n
+
+    def _trim_warm(self) -> None:
+        """After a trim while a codec learns: forget the trimmed tokens (the next update
+        refits without them, as if they had never come)."""
+        w = self._warm
+        if w is None:
+            return
+        total, chunks, acc = max(0, self.offset - w["start"]), [], 0
+        for c in w["chunks"]:
+            if acc >= total:
+                break
+            chunks.append(min(c, total - acc))
+            acc += chunks[-1]
+        n = min(total, w["fit_from"] + self.fit_tokens)
+        w.update(chunks=chunks, k=w["k"][..., :n, :] if n else None, v=w["v"][..., :n, :] if n else None)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         return causal_mask(N, self.offset, return_array, window_size)
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
+        if self.key_codes is None:
             return 0
-        fp = sum(a.nbytes for a in (self.recent_keys, self.recent_values, self.sink_keys, self.sink_values)
+        warm = (self._warm["k"], self._warm["v"]) if self._warm is not None else ()
+        fp = sum(a.nbytes for a in (self.recent_keys, self.recent_values, self.sink_keys, self.sink_values, *warm)
                  if a is not None)
-        return self.keys.nbytes + self.values.nbytes + fp
+        return self.key_codes.nbytes + self.value_codes.nbytes + fp
 
     def code_nbytes(self, n_tokens: Optional[int] = None) -> int:
         """The bit accounting: codec bytes per vector × vectors held (B·H·T) for K and V."""
-        if self.keys is None:
+        if self.key_codes is None:
             return 0
-        B, H = next(iter(self.keys.fields.values())).shape[:2]
+        B, H = next(iter(self.key_codes.fields.values())).shape[:2]
         t = self.offset if n_tokens is None else n_tokens
         return B * H * t * (self.key_codec.nbytes_per_vector + self.value_codec.nbytes_per_vector)
 
@@ -256,34 +419,56 @@ class TurboQuantKVCache:
         ``meta_state``, lets a file written by ``mlx_lm.save_prompt_cache`` be rebuilt by
         ``turboquant.load_prompt_cache``."""
         meta = json.dumps(self.meta_state)
-        if self.keys is None or self.offset == 0:
+        if self.key_codes is None or self.offset == 0:
             return {}, {}, {}, meta
         rec = {"k": self.recent_keys, "v": self.recent_values} if self.fp_window and self.recent_keys is not None else {}
         if self.sink_keys is not None:
             rec.update(sk=self.sink_keys, sv=self.sink_values)
-        return self.keys.slice(0, self.offset).fields, self.values.slice(0, self.offset).fields, rec, meta
+        rec.update(self._warm_state())
+        return self.key_codes.slice(0, self.offset).fields, self.value_codes.slice(0, self.offset).fields, rec, meta
+
+    def _warm_state(self) -> dict:
+        """The exact first tokens a learning codec is fitted on (``wk``/``wv``), if it still learns."""
+        w = self._warm
+        return {} if w is None or w["k"] is None else {"wk": w["k"], "wv": w["v"]}
 
     @state.setter
     def state(self, v):
         k, val, rec = v[:3]
-        self.keys = CodeBuffer(k) if k else None
-        self.values = CodeBuffer(val) if val else None
+        self.key_codes = CodeBuffer(k) if k else None
+        self.value_codes = CodeBuffer(val) if val else None
         self.recent_keys, self.recent_values = rec.get("k"), rec.get("v")
         self.sink_keys, self.sink_values = rec.get("sk"), rec.get("sv")
+        self._set_warm_state(rec)
+
+    def _set_warm_state(self, rec: dict) -> None:
+        if self._warm is not None:
+            self._warm.update(k=rec.get("wk"), v=rec.get("wv"))
 
     @property
     def meta_state(self) -> dict:
-        return {"class": type(self).__name__, "key_codec": self.key_codec.config(),
-                "value_codec": self.value_codec.config(), "fp_window": self.fp_window,
-                "sink_tokens": self.sink_tokens,
-                "offset": self.offset, "dtype": str(self.dtype).split(".")[-1]}
+        m = {"class": type(self).__name__, "key_codec": self.key_codec.config(),
+             "value_codec": self.value_codec.config(), "fp_window": self.fp_window,
+             "sink_tokens": self.sink_tokens, "fit_tokens": self.fit_tokens,
+             "offset": self.offset, "dtype": str(self.dtype).split(".")[-1]}
+        if self._warm is not None:
+            m["learning"] = {n: self._warm[n] for n in ("start", "chunks", "configs", "shared", "fit_from")}
+        return m
 
     @meta_state.setter
     def meta_state(self, m):
         from .codecs.base import from_config
-        self.key_codec, self.value_codec = from_config(m["key_codec"]), from_config(m["value_codec"])
+        self.key_codec = from_config(m["key_codec"])
+        learning = m.get("learning")
+        shared = bool(learning and learning["shared"])
+        self.value_codec = self.key_codec if shared else from_config(m["value_codec"])
         self.fp_window, self.offset = int(m["fp_window"]), int(m["offset"])
         self.sink_tokens = int(m.get("sink_tokens", 0))
+        self.fit_tokens = int(m.get("fit_tokens", FIT_TOKENS))
+        self._warm = None if not learning else {
+            "start": int(learning["start"]), "chunks": [int(c) for c in learning["chunks"]],
+            "configs": [dict(c) for c in learning["configs"]], "shared": shared, "k": None, "v": None,
+            "fit_from": int(learning["fit_from"])}
         self.dtype = getattr(mx, m["dtype"])
 
     @classmethod
@@ -318,8 +503,9 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
     temporarily holds up to max_size + S − 1 so that every new token sees a full window.
     """
 
-    def __init__(self, max_size: int, key_codec: Codec, value_codec: Optional[Codec] = None, keep: int = 0):
-        super().__init__(key_codec, value_codec, fp_window=0)
+    def __init__(self, max_size: int, key_codec: Codec, value_codec: Optional[Codec] = None, keep: int = 0, *,
+                 fit_tokens: int = FIT_TOKENS):
+        super().__init__(key_codec, value_codec, fp_window=0, fit_tokens=fit_tokens)
         max_size = check_int("max_size", max_size, 1)
         keep = check_int("keep", keep, 0, max_size - 1)
         self.max_size, self.keep, self._idx = max_size, keep, 0
@@ -336,15 +522,29 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
                                       buf.slice(self.keep, self._idx)])
         return buf.slice(0, self._idx)
 
-    def _update_and_fetch(self, keys: mx.array, values: mx.array):
-        self._check(keys, values)
+    def _store(self, keys: mx.array, values: mx.array) -> None:
         kc, vc = self._encode(keys, values)
         S = keys.shape[2]
         if S == 1:
             self._update_in_place(kc, vc)
         else:
             self._update_concat(kc, vc, S)
-        return self._fetch(*self._held())
+
+    def _sinks_while_learning(self, sinks: int) -> int:
+        """A ring has no sinks: queries within the first ``fit_tokens`` see the provisional
+        fit of the tokens before them, so chunking can still move what follows (measured in
+        ``tests/test_cache.py``)."""
+        return 0
+
+    def _emptied(self, offset, key_codec, value_codec):
+        new = super()._emptied(offset, key_codec, value_codec)
+        new._idx = 0
+        return new
+
+    def _merges(self, n_tokens: int) -> bool:
+        """Until the ring first fills, one update leaves what several would (in temporal
+        order either way); after that, eviction depends on the chunks."""
+        return self.offset == 0 and n_tokens <= self.max_size
 
     @classmethod
     def from_tokens(cls, max_size: int, keys: mx.array, values: mx.array, key_codec: Codec,
@@ -369,7 +569,7 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
         """The held tokens as (keys, values) ``CodesView`` objects in temporal order, oldest first
         (``codes()`` gives them in the order attention reads them, which after single-token
         steps is ring order)."""
-        if self.keys is None:
+        if self.key_codes is None:
             raise ValueError("the cache is empty: no codes yet")
         k, v = self._held()
         return self._fetch_views(self._temporal_order(k), self._temporal_order(v))
@@ -380,51 +580,51 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
         ring holds up to max_size + S − 1; compacting brings memory back to the window
         without changing any later output or mask (the stored arrays and ``idx`` in
         ``meta_state`` do change: they are what the next update would have made them)."""
-        if self.keys is None or self.offset == 0:
+        if self.key_codes is None or self.offset == 0:
             return
-        cut = self.keys.length - self.max_size
+        cut = self.key_codes.length - self.max_size
         if cut <= 0:                   # within the window: the ring order is part of the state
             return
         # more than max_size held happens only right after a multi-token update, in temporal
         # order: drop what the next update would drop anyway
-        self.keys, self.values = self._trim(cut, self.keys), self._trim(cut, self.values)
+        self.key_codes, self.value_codes = self._trim(cut, self.key_codes), self._trim(cut, self.value_codes)
         self._idx = self.max_size
 
     def _held(self) -> tuple[CodeBuffer, CodeBuffer]:
-        if self.offset < self.keys.length:
-            return self.keys.slice(0, self.offset), self.values.slice(0, self.offset)
-        return self.keys, self.values
+        if self.offset < self.key_codes.length:
+            return self.key_codes.slice(0, self.offset), self.value_codes.slice(0, self.offset)
+        return self.key_codes, self.value_codes
 
     def _update_concat(self, kc, vc, S):
-        if self.keys is None:
-            self.keys, self.values = kc, vc
+        if self.key_codes is None:
+            self.key_codes, self.value_codes = kc, vc
         else:
-            self.keys, self.values = self._temporal_order(self.keys), self._temporal_order(self.values)
-            self._idx = self.keys.length
+            self.key_codes, self.value_codes = self._temporal_order(self.key_codes), self._temporal_order(self.value_codes)
+            self._idx = self.key_codes.length
             trim_size = self._idx - self.max_size + 1          # every new token sees max_size keys
-            self.keys = self._trim(trim_size, self.keys, kc)
-            self.values = self._trim(trim_size, self.values, vc)
+            self.key_codes = self._trim(trim_size, self.key_codes, kc)
+            self.value_codes = self._trim(trim_size, self.value_codes, vc)
         self.offset += S
-        self._idx = self.keys.length
+        self._idx = self.key_codes.length
 
     def _update_in_place(self, kc, vc):
         prev = self.offset
-        if self.keys is None or (prev >= self.keys.length and self.keys.length < self.max_size):
+        if self.key_codes is None or (prev >= self.key_codes.length and self.key_codes.length < self.max_size):
             n = min(self.step, self.max_size - prev)
-            if self.keys is None:
-                self.keys, self.values = kc.zeros(n), vc.zeros(n)
+            if self.key_codes is None:
+                self.key_codes, self.value_codes = kc.zeros(n), vc.zeros(n)
             else:
-                self.keys = CodeBuffer.concat([self.keys, kc.zeros(n)])
-                self.values = CodeBuffer.concat([self.values, vc.zeros(n)])
+                self.key_codes = CodeBuffer.concat([self.key_codes, kc.zeros(n)])
+                self.value_codes = CodeBuffer.concat([self.value_codes, vc.zeros(n)])
             self._idx = prev
-        trim_size = self.keys.length - self.max_size
+        trim_size = self.key_codes.length - self.max_size
         if trim_size > 0:
-            self.keys, self.values = self._trim(trim_size, self.keys), self._trim(trim_size, self.values)
+            self.key_codes, self.value_codes = self._trim(trim_size, self.key_codes), self._trim(trim_size, self.value_codes)
             self._idx = self.max_size
         if self._idx == self.max_size:
             self._idx = self.keep
-        self.keys.assign(self._idx, kc)
-        self.values.assign(self._idx, vc)
+        self.key_codes.assign(self._idx, kc)
+        self.value_codes.assign(self._idx, vc)
         self.offset += 1
         self._idx += 1
 
@@ -438,6 +638,7 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
         n = min(self.offset, _check_trim(n))
         self.offset -= n
         self._idx -= n
+        self._trim_warm()
         return n
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
@@ -460,16 +661,18 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
     @property
     def state(self):
         meta = json.dumps(self.meta_state)
-        if self.keys is None or self.offset == 0:
+        if self.key_codes is None or self.offset == 0:
             return {}, {}, {}, meta
-        return self.keys.fields, self.values.fields, {}, meta
+        return self.key_codes.fields, self.value_codes.fields, self._warm_state(), meta
 
     @state.setter
     def state(self, v):
         k, val = v[:2]
-        self.keys = CodeBuffer(k) if k else None
-        self.values = CodeBuffer(val) if val else None
+        rec = v[2] if len(v) > 2 else {}
+        self.key_codes = CodeBuffer(k) if k else None
+        self.value_codes = CodeBuffer(val) if val else None
         self.recent_keys = self.recent_values = self.sink_keys = self.sink_values = None
+        self._set_warm_state(rec)
 
     @property
     def meta_state(self) -> dict:

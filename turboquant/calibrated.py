@@ -17,7 +17,9 @@ what it measured. It is made in three steps, on text that is never the evaluatio
    recorded with its numbers.
 
 The profile stores the calibration token ids, so ``profile_codecs(model, profile, bits)``
-rebuilds the same codecs from the model alone (≈ 10–30 s once per process; memoised).
+rebuilds the same codecs from the model alone: fitted once (about a minute on 2 cores),
+then kept as tensors under ``$TURBOQUANT_CACHE/coders`` (``coder_store_path``), so a later
+process loads them in about a second; memoised within a process.
 Profiles for the installed models ship in ``turboquant/profiles``; ``turboquant calibrate``
 writes new ones under ``$TURBOQUANT_CACHE/profiles``, where ``find_profile`` looks first.
 """
@@ -33,7 +35,7 @@ import numpy as np
 
 __all__ = ["Choice", "capture_statistics", "fit_layers", "signature",
            "profile_path", "shipped_profiles", "find_profile", "load_profile", "save_profile",
-           "profile_entry", "profile_codecs", "clear_memo", "ids_digest", "PROFILE_FORMAT", "PROFILE_VERSION", "WINDOW"]
+           "profile_entry", "profile_codecs", "coder_store_path", "clear_memo", "ids_digest", "PROFILE_FORMAT", "PROFILE_VERSION", "WINDOW"]
 
 PROFILE_FORMAT = "turboquant-profile"
 PROFILE_VERSION = 1
@@ -234,13 +236,83 @@ def profile_codecs(model, profile: dict, bits: float, progress: bool = False):
         _MEMO["model"] = weakref.ref(model)
     cal = profile["calibration"]
     skey = json.dumps({k: cal.get(k) for k in ("sha256", "bos", "window", "sink")}, sort_keys=True)
-    if skey not in _MEMO["stats"]:
-        _MEMO["stats"][skey] = capture_statistics(model, cal["ids"], bos=cal.get("bos"),
-                                                  window=cal.get("window", WINDOW), sink=cal.get("sink", 1),
-                                                  progress=progress)
     ckey = skey + json.dumps(asdict(choice), sort_keys=True)
     if ckey not in _MEMO["codecs"]:
-        _MEMO["codecs"][ckey] = fit_layers(_MEMO["stats"][skey], choice.key_bits, choice.value_bits,
-                                           choice.outliers, progress=progress)
+        stored = coder_store_path(model, ckey)
+        coders = _read_coders(stored)
+        if coders is None:
+            if skey not in _MEMO["stats"]:
+                _MEMO["stats"][skey] = capture_statistics(model, cal["ids"], bos=cal.get("bos"),
+                                                          window=cal.get("window", WINDOW), sink=cal.get("sink", 1),
+                                                          progress=progress)
+            coders = fit_layers(_MEMO["stats"][skey], choice.key_bits, choice.value_bits, choice.outliers,
+                                progress=progress)
+            _write_coders(stored, coders)
+        _MEMO["codecs"][ckey] = coders
     keys, values = _MEMO["codecs"][ckey]
     return keys, values, choice.sink_tokens, entry
+
+
+CODER_STORE_VERSION = 1
+
+
+def coder_store_path(model, key: str) -> Path:
+    """Where the fitted coders of one profile configuration for ``model`` are kept:
+    ``$TURBOQUANT_CACHE/coders/<digest>.safetensors``, the digest over the model's
+    fingerprint (architecture, sizes, a hash of its weights), the calibration and the
+    configuration, so another model or profile never reads them."""
+    from .models import cache_root
+    from .memory import model_fingerprint
+    from . import __version__
+    digest = hashlib.sha256(json.dumps({"model": model_fingerprint(model), "signature": signature(model),
+                                        "key": key, "version": CODER_STORE_VERSION, "package": __version__},
+                                       sort_keys=True).encode()).hexdigest()[:32]
+    return cache_root() / "coders" / f"{digest}.safetensors"
+
+
+def _write_coders(path: Path, coders) -> None:
+    """Save (key coders, value coders) as tensors (``codec_tensors``) with a checksum,
+    atomically; a cache that cannot be written only costs the next process a refit."""
+    import os
+    import warnings
+    import mlx.core as mx
+    from .codec_tensors import to_tensors
+    from .codec_tensors import content_digest
+    keys, values = coders
+    arrays: dict = {}
+    header = json.dumps({"version": CODER_STORE_VERSION, "keys": [to_tensors(c.config(), arrays) for c in keys],
+                         "values": [to_tensors(c.config(), arrays) for c in values]})
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.safetensors")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(tmp), arrays, {"coders": header, "sha256": content_digest(header, arrays)})
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        warnings.warn(f"turboquant: could not keep the fitted coders in {path} ({e}); the next process "
+                      "fits them again", RuntimeWarning, stacklevel=3)
+
+
+def _read_coders(path: Path):
+    """(key coders, value coders) from ``path``, or None when absent; a damaged file is
+    reported and ignored (it is refitted and replaced)."""
+    import warnings
+    import mlx.core as mx
+    from .codec_tensors import from_tensors
+    from .codecs.base import from_config
+    from .codec_tensors import content_digest
+    if not path.is_file():
+        return None
+    try:
+        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+        if content_digest(meta["coders"], arrays) != meta["sha256"]:
+            raise ValueError("checksum mismatch")
+        head = json.loads(meta["coders"])
+        if head.get("version") != CODER_STORE_VERSION:
+            raise ValueError(f"version {head.get('version')!r}")
+        return ([from_config(from_tensors(c, arrays)) for c in head["keys"]],
+                [from_config(from_tensors(c, arrays)) for c in head["values"]])
+    except Exception as e:                                      # a cache: never fatal
+        warnings.warn(f"turboquant: ignoring the damaged coder file {path} ({type(e).__name__}: {e}); "
+                      "fitting again", RuntimeWarning, stacklevel=3)
+        return None

@@ -12,12 +12,14 @@ bias: s = 32 · ceil(D / g)). SSM layers keep a constant state and hold no KV ca
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
 __all__ = [
     "Layer", "AttentionGeometry", "PRESETS", "kv_cache_bytes", "cached_tokens",
     "affine_side_bits", "NORM_SIDE_BITS", "bits_per_coordinate", "geometry_from_model", "cache_count",
+    "model_geometry", "model_fingerprint", "describe_model",
 ]
 
 NORM_SIDE_BITS = 16  # one fp16 norm per stored vector
@@ -204,3 +206,35 @@ def cache_count(model) -> int:
     """How many caches an mlx-lm model takes: ``len(model.make_cache())`` when it defines one
     (some models share caches between layers), else one per layer."""
     return len(model.make_cache()) if hasattr(model, "make_cache") else len(model.layers)
+
+
+def model_geometry(model) -> tuple[int, int, int]:
+    """(layers, kv heads, head size) of an mlx-lm model."""
+    g = geometry_from_model(model)
+    return len(model.layers), g.n_kv_heads, g.head_dim
+
+
+def model_fingerprint(model) -> dict:
+    """What identifies the model a cache was filled by: architecture, layers, kv heads, head
+    size, and a SHA-256 of the first and last 4,096 values of its first and last weight
+    tensors (two models of one shape still differ there). A dict of str, saved with caches."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+    layers, kv, d = model_geometry(model)
+    args = getattr(model, "args", None)
+    arch = str(getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1])
+    params = sorted(tree_flatten(model.parameters()), key=lambda t: t[0])
+    h = hashlib.sha256()
+    for name, w in (params[0], params[-1]) if params else ():
+        flat = w.reshape(-1)
+        for part in (flat[:4096], flat[-4096:]):
+            h.update(name.encode() + np.array(part.astype(mx.float32)).tobytes())
+    return {"architecture": arch, "layers": str(layers), "kv_heads": str(kv), "head_dim": str(d),
+            "weights_sha256": h.hexdigest()[:16]}
+
+
+def describe_model(fp: dict) -> str:
+    """A model fingerprint in words (for error messages)."""
+    return (f"{fp.get('architecture')} with {fp.get('layers')} layers, {fp.get('kv_heads')} kv heads of "
+            f"{fp.get('head_dim')} (weights {fp.get('weights_sha256')})")

@@ -1,7 +1,6 @@
 """Building, converting, saving and loading TurboQuant prompt caches (Chapter 7)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import warnings
@@ -9,54 +8,25 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from .cache import TurboQuantKVCache, TurboQuantRotatingKVCache
 from .checks import check_out_file
+from .codec_tensors import PREFIX, content_digest, from_tensors, to_tensors
 from .codecs.base import Codec, check_int, from_config
 from .codecs.spec import CodecSpec, codec_pair
-from .memory import cache_count, geometry_from_model
+from .memory import cache_count, describe_model, geometry_from_model, model_fingerprint, model_geometry
 
 __all__ = ["make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prompt_cache", "model_geometry",
-           "check_layers", "cache_count", "content_digest",
+           "check_layers", "cache_count", "content_digest", "model_fingerprint",
            "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "turboquant-prompt-cache"
-FORMAT_VERSION = 2          # 2 adds a content checksum; version-1 files are still read
+FORMAT_VERSION = 3          # 2 adds a content checksum, 3 codec arrays as tensors; 1 and 2 are still read
 
 
 def _head_dim(model) -> int:
     return geometry_from_model(model).head_dim
-
-
-def model_geometry(model) -> tuple[int, int, int]:
-    """(layers, kv heads, head size) of an mlx-lm model."""
-    g = geometry_from_model(model)
-    return len(model.layers), g.n_kv_heads, g.head_dim
-
-
-def model_fingerprint(model) -> dict:
-    """What identifies the model a cache was filled by: architecture, layers, kv heads, head
-    size, and a SHA-256 of the first and last 4,096 values of its first and last weight
-    tensors (two models of one shape still differ there). A dict of str, saved with caches."""
-    from mlx.utils import tree_flatten
-    layers, kv, d = model_geometry(model)
-    args = getattr(model, "args", None)
-    arch = str(getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1])
-    params = sorted(tree_flatten(model.parameters()), key=lambda t: t[0])
-    h = hashlib.sha256()
-    for name, w in (params[0], params[-1]) if params else ():
-        flat = w.reshape(-1)
-        for part in (flat[:4096], flat[-4096:]):
-            h.update(name.encode() + np.array(part.astype(mx.float32)).tobytes())
-    return {"architecture": arch, "layers": str(layers), "kv_heads": str(kv), "head_dim": str(d),
-            "weights_sha256": h.hexdigest()[:16]}
-
-
-def _describe(fp: dict) -> str:
-    return (f"{fp.get('architecture')} with {fp.get('layers')} layers, {fp.get('kv_heads')} kv heads of "
-            f"{fp.get('head_dim')} (weights {fp.get('weights_sha256')})")
 
 
 def _tag(cache: list) -> list:
@@ -209,28 +179,21 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
                else TurboQuantKVCache(kc, vc, fp_window=fp_window, sink_tokens=sink_tokens))
         n = min(c.offset, keys.shape[2])          # slots held (a ring may hold fewer than offset)
         k, v = keys[..., :n, :], values[..., :n, :]
+        if not rotating:                          # as if the tokens came in one update
+            new.offset = c.offset - n
+            new.update_and_fetch(k, v)
+            out.append(new)
+            continue
         new._check(k, v)
-        new.keys, new.values = new._encode(k, v)
+        for codec, x in ((new.key_codec, k), (new.value_codec, v)):
+            if hasattr(codec, "fit") and not getattr(codec, "fitted", True):
+                codec.fit(x[..., :new.fit_tokens, :])   # a ring's first held tokens, in ring order
+        new.key_codes, new.value_codes = new._encode(k, v)
         new.offset = c.offset
-        if rotating:
-            new._idx = c._idx                     # same ring layout as the source cache
-        new._update_recent(k, v)
-        if not rotating:
-            new._update_sink(0, k, v)
+        new._idx = c._idx                         # same ring layout as the source cache
         out.append(new)
     _warn_rotating(out, fp_window, sink_tokens)
     return _tag(out)
-
-
-def content_digest(header_json: str, arrays: dict) -> str:
-    """SHA-256 over the header and every tensor (name, dtype, shape, bytes), in name order."""
-    h = hashlib.sha256(header_json.encode())
-    for name in sorted(arrays):
-        a = arrays[name]
-        h.update(f"\0{name}\0{a.dtype}\0{tuple(a.shape)}\0".encode())
-        flat = a.reshape(-1)
-        h.update(np.array(flat.view(mx.uint16) if a.dtype == mx.bfloat16 else flat).tobytes())
-    return h.hexdigest()
 
 
 def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None, model=None) -> None:
@@ -245,14 +208,15 @@ def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None, model=
     if metadata is not None and (not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise TypeError("metadata must map str to str")
-    arrays, layers = {}, []
+    arrays, layers, codec_arrays = {}, [], {}
     for i, c in enumerate(cache):
         k, v, rec = c.state[:3]
         for group, fields in (("k", k), ("v", v), ("r", rec)):
             for name, a in fields.items():
                 if a is not None:
                     arrays[f"{i}.{group}.{name}"] = a
-        layers.append(c.meta_state)
+        layers.append(to_tensors(c.meta_state, codec_arrays))   # fitted coders' arrays: tensors, once each
+    arrays.update(codec_arrays)
     head = {"format": FORMAT, "version": FORMAT_VERSION, "layers": layers, "user": metadata or {}}
     if model is not None:
         head["model"] = model_fingerprint(model)
@@ -291,8 +255,8 @@ def load_prompt_cache(path, return_metadata: bool = False, model=None):
     if model is not None:
         _check_model(path, cache, model)
         if saved_from is not None and saved_from != model_fingerprint(model):
-            raise ValueError(f"{path}: this cache was filled by {_describe(saved_from)}, not by the model given, "
-                             f"{_describe(model_fingerprint(model))}: its keys and values mean nothing there")
+            raise ValueError(f"{path}: this cache was filled by {describe_model(saved_from)}, not by the model given, "
+                             f"{describe_model(model_fingerprint(model))}: its keys and values mean nothing there")
     _tag(cache)
     return (cache, user) if return_metadata else cache
 
@@ -304,8 +268,8 @@ def _check_model(path, cache, model) -> None:
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     for i, c in enumerate(cache):
-        if isinstance(c, TurboQuantKVCache) and c.keys is not None:
-            B, H = next(iter(c.keys.fields.values())).shape[:2]
+        if isinstance(c, TurboQuantKVCache) and c.key_codes is not None:
+            B, H = next(iter(c.key_codes.fields.values())).shape[:2]
             if H != kv:
                 raise ValueError(f"{path}: layer {i} holds {H} kv heads, the model has {kv}")
         dim = getattr(getattr(c, "key_codec", None), "dim", d)
@@ -323,7 +287,7 @@ def _load_turboquant_layout(path, arrays, meta):
     if header.get("format") != FORMAT:
         raise ValueError(f"{path}: unknown format {header.get('format')!r}")
     version = header.get("version")
-    if type(version) is not int or version not in (1, FORMAT_VERSION):   # not True, 1.0 or "2"
+    if type(version) is not int or not 1 <= version <= FORMAT_VERSION:   # not True, 1.0 or "2"
         raise ValueError(f"{path}: format version {version!r}, this turboquant reads the integers 1..{FORMAT_VERSION}")
     if version == 1 and "turboquant_sha256" in meta:
         raise ValueError(f"{path}: says format version 1 but carries a version-2 checksum: the header was changed")
@@ -340,8 +304,16 @@ def _load_turboquant_layout(path, arrays, meta):
         raise ValueError(f"{path}: 'layers' must be a list of layer settings, got {type(layers).__name__}")
     if not isinstance(user, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in user.items()):
         raise ValueError(f"{path}: 'user' metadata must map str to str")
+    codec_arrays = {n: a for n, a in arrays.items() if n.startswith(PREFIX) and version >= 3}
+    used: set = set()
+    try:
+        layers = [from_tensors(m, codec_arrays, used) for m in layers]
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     groups = [{g: {} for g in "kvr"} for _ in layers]
     for name, a in arrays.items():
+        if name in used:
+            continue
         parts = name.split(".", 2)
         if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) >= len(layers) \
                 or parts[1] not in ("k", "v", "r") or not parts[2]:
@@ -424,6 +396,31 @@ def _check_indices(codec: Codec, fields: dict, group: str) -> None:
         raise ValueError(f"tensor {group}.idx names codeword {top}, the codebook has {n}")
 
 
+def _learning(m: dict, offset: int, kcodec: Codec, vcodec: Codec) -> Optional[dict]:
+    """The ``learning`` setting of a cache still fitting its codec, validated (None if absent)."""
+    learning = m.get("learning")
+    if learning is None:
+        return None
+    if not isinstance(learning, dict) or set(learning) != {"start", "chunks", "configs", "shared", "fit_from"}:
+        raise ValueError(f"setting 'learning' must have start, chunks, configs, shared, fit_from; got {learning!r}")
+    start = _setting(learning, "start")
+    chunks = learning["chunks"]
+    if not isinstance(chunks, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0
+                                               for c in chunks) or start + sum(chunks) != offset:
+        raise ValueError(f"learning chunks {chunks!r} from {start} do not add up to offset {offset}")
+    _setting(learning, "fit_from")
+    if not isinstance(learning["shared"], bool):
+        raise ValueError(f"learning 'shared' must be true or false, got {learning['shared']!r}")
+    configs = learning["configs"]
+    if not isinstance(configs, list) or len(configs) != 2:
+        raise ValueError(f"learning configs must be [key codec, value codec] configurations, got {configs!r}")
+    for c, field, fitted in zip(configs, ("key", "value"), (kcodec, vcodec)):
+        unfitted = _codec_from(c, f"learning {field} codec")
+        if unfitted.dim != fitted.dim or type(unfitted) is not type(fitted):
+            raise ValueError(f"learning {field} codec {c!r} is not the unfitted form of {fitted!r}")
+    return learning
+
+
 def _build_layer(m, state) -> TurboQuantKVCache:
     """Validate one layer's settings and tensors, then build its cache."""
     if not isinstance(m, dict):
@@ -444,7 +441,20 @@ def _build_layer(m, state) -> TurboQuantKVCache:
         idx = _setting(m, "idx", 0)
         if fp_window or sink:
             raise ValueError("a rotating cache has no fp_window or sink tokens")
+    learning = _learning(m, offset, kcodec, vcodec)
     k, v, rec = state
+    if learning is not None:                  # the exact first tokens a learning codec is fitted on
+        rec = dict(rec)
+        n = min(sum(learning["chunks"]), learning["fit_from"] + _setting(m, "fit_tokens", 1))
+        codes = next(iter(k.values())) if k else None
+        for name, codec in (("wk", kcodec), ("wv", vcodec)):
+            a = rec.pop(name, None)
+            ok = a is None if n == 0 else (a is not None and codes is not None and a.dtype == dtype and tuple(
+                a.shape) == (*codes.shape[:2], n, codec.dim))
+            if not ok:
+                raise ValueError(f"exact tensor r.{name} is {None if a is None else (tuple(a.shape), a.dtype)}; "
+                                 f"a cache still fitting its codec on {n} tokens needs (B, H, {n}, {codec.dim}) "
+                                 f"{dtype}")
     if not offset:
         if k or v or rec:
             raise ValueError("offset 0 but tensors are present")

@@ -9,8 +9,8 @@ shared by every cached token of a head is therefore exact for attention, while t
 only has to represent k − μ. Real keys carry a large common component (Chapter 9 measures
 it), which a norm-and-direction codec otherwise spends its bits on.
 
-``Centered(inner)`` learns μ from the first tensor it sees (caches call ``fit`` on the
-first prefill chunk, as for ``OutlierSplit``): one mean per head for (…, H, T, D) input,
+``Centered(inner)`` learns μ with ``fit`` (caches fit it on their first ``fit_tokens``
+tokens after the sinks, however they are fed, as for ``OutlierSplit``): one mean per head for (…, H, T, D) input,
 one overall mean for (N, D). μ is kept in float32 and saved in the configuration, so a
 saved cache reloads bit for bit. Its storage, H·D floats per layer, is not per token and
 is left out of ``bits_per_coordinate`` (``side_nbytes`` reports it).
@@ -109,8 +109,8 @@ class Centered(Codec):
 
     def _encode(self, x: mx.array) -> Code:
         if self.mean is None:
-            raise ValueError("Centered has no mean yet: call fit(x) first (caches do this on the "
-                             "first tensor they see)")
+            raise ValueError("Centered has no mean yet: call fit(x) first (caches do this on "
+                             "their first fit_tokens tokens)")
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim, finite=False)
         m = self.broadcast_mean(x.ndim)

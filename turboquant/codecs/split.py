@@ -3,7 +3,7 @@
 TurboQuant's 2.5-bit setting (arXiv 2504.19874, §4) keeps 32 of 128 channels at 3 bits
 and 96 at 2 bits: (32·3 + 96·2)/128 = 2.25 payload bits, 2.5 with two fp16 norms. Each
 part is its own TurboQuant_mse (own norm, own rotation). The outlier channels are chosen
-once, by ``fit``, as the highest-RMS channels of the first tensor seen; after that the
+once, by ``fit``, as the highest-RMS channels of the tensor it is fitted on; after that the
 codec is fixed and its ``config()`` (which lists the channels) rebuilds it bit for bit.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ class OutlierSplit(Codec):
     def _encode(self, x: mx.array) -> Code:
         if not self.fitted:
             raise ValueError("OutlierSplit has no channels yet: call fit(x) first (caches do this "
-                             "on the first tensor they see)")
+                             "on their first fit_tokens tokens)")
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim)
         o = self.outliers.encode(mx.take(x, self._o, axis=-1))
