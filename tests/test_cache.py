@@ -1,4 +1,6 @@
 """TurboQuant caches in mlx-lm: exactness, generation, memory, attention from codes, save/load."""
+import json
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate, generate_step, stream_generate
@@ -460,3 +462,21 @@ def test_a_ring_with_a_learning_codec_shares_the_fit_not_the_first_queries():
         means.append(cache[0].key_codec.mean)
         assert cache[0].learning is False and cache[0].sink_tokens == 0
     assert mx.max(mx.abs(means[1] - means[0])).item() < 1e-5
+
+
+def test_a_file_cannot_claim_a_fit_that_would_have_ended(llama, tmp_path):
+    """Review of #26.2: a learning state holding more tokens than the fit takes lost tokens
+    on the next update; the loader refuses it."""
+    cache = make_prompt_cache(llama, **CENTERED)
+    run(llama, cache, tokens(9), [4, 5])
+    path = tmp_path / "w.safetensors"
+    save_prompt_cache(path, cache)
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    head = json.loads(meta["turboquant"])
+    head["layers"][0]["fit_tokens"] = 5                      # 1 + 5 < 9 tokens: the fit had ended
+    meta["turboquant"] = json.dumps(head)
+    from turboquant.prompt_cache import content_digest
+    meta["turboquant_sha256"] = content_digest(meta["turboquant"], arrays)
+    mx.save_safetensors(str(tmp_path / "bad.safetensors"), arrays, meta)
+    with pytest.raises(ValueError, match="would have ended"):
+        load_prompt_cache(tmp_path / "bad.safetensors")

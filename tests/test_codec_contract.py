@@ -121,3 +121,22 @@ def test_one_range_rule_refuse_or_represent_never_garbage(any_codec, case):
         assert err(out, x) <= 2 * err(ref, g), f"{name}: mean squared error {err(out, x):.3g} on {case}"
         return
     assert rel(out, x) < max(0.9, 2 * rel(ref, g)), f"{name}: relative error {rel(out, x):.3g} on {case}"
+
+
+def test_the_range_rule_refuses_only_what_is_lost():
+    """Review of #26.6: fp16 input stored as fp16 is exact, however small; a TurboQuant_prod
+    residual's norm bounds an absolute error, so a small one is fine; an 8-bit affine group
+    of small values is still represented."""
+    from turboquant.codecs import AffineCodec, Identity, TurboQuantProd
+    tiny = (mx.random.normal((2, D), key=mx.random.key(4)) * 1e-5).astype(mx.float16)
+    c = Identity(D, "float16")
+    assert mx.array_equal(c.decode(c.encode(tiny)), tiny).item()
+    u = mx.random.normal((3, D), key=mx.random.key(5))
+    x = u / mx.linalg.norm(u, axis=-1, keepdims=True) * 2e-4
+    for bits in (4, 9):
+        p = TurboQuantProd(D, bits)
+        assert mx.all(mx.isfinite(p.decode(p.encode(x)))).item()
+    a = AffineCodec(128, 8)
+    y = mx.random.normal((2, 128), key=mx.random.key(6)) * 3e-3
+    err = (mx.linalg.norm(a.decode(a.encode(y)) - y) / mx.linalg.norm(y)).item()
+    assert err < 0.05

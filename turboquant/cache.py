@@ -86,8 +86,8 @@ class TurboQuantKVCache:
 
     Keys and values have shape (B, H_kv, T, D); ``value_codec`` defaults to ``key_codec``.
     ``fp_window`` = R keeps the most recent R tokens in full precision as well, and
-    ``sink_tokens`` = S the first S tokens of the sequence (their codes are stored too, so
-    trimming and eviction stay exact).
+    ``sink_tokens`` = S the first S tokens of the sequence (attention reads them from these
+    copies; their code slots hold the codes of zero vectors).
 
     A codec that learns from data (``Centered``'s mean, ``OutlierSplit``'s channels) is
     fitted on the first ``fit_tokens`` = F tokens after the sinks (positions S … S + F − 1),
@@ -144,7 +144,9 @@ class TurboQuantKVCache:
     def _depend(self, name: str, value) -> None:
         """Several mlx-lm models order evaluation with ``cache.keys = mx.depends(cache.keys, h)``:
         an array of the view's shape is accepted, and the codes are made to depend on it
-        (its values are the view's own; anything else is refused — the view is read-only)."""
+        (its values are the view's own; anything else is refused — the view is read-only).
+        The dependency is kept, so evaluating the codes then decodes the cache once more: a
+        cost per step for the pipeline-parallel models that write it, never a wrong result."""
         held = getattr(self, name)
         if held is None or not isinstance(value, mx.array) or value.shape != held.shape:
             raise ValueError(f"cache.{name} is a read-only view of the codes "
@@ -167,7 +169,7 @@ class TurboQuantKVCache:
             self._check_in_step(group, keys.shape[2] if getattr(keys, "ndim", 0) == 4 else 0)
         try:
             return self._update_and_fetch(keys, values)
-        except Exception as e:
+        except BaseException as e:                  # KeyboardInterrupt too: the layers disagree all the same
             if group is not None:
                 caches = group["caches"]
                 layer = next((n for n, c in enumerate(caches) if c is self), None)
@@ -194,10 +196,10 @@ class TurboQuantKVCache:
         if before or after:
             odd = before or after
             group["broken"] = (f"this prompt cache is unusable: layer {i} was given tokens while layer(s) "
-                               f"{odd[0]}..{odd[-1]} were not, so the model was passed only part of the "
-                               f"cache list (a slice such as cache[{f':{odd[0]}' if after else f'{odd[-1] + 1}:'}]?); pass the "
-                               f"whole list of {len(caches)} caches. Make a new cache (make_prompt_cache) "
-                               "or load a saved one")
+                               f"{odd[0]}..{odd[-1]} were not: either the model was passed only part of the "
+                               f"cache list (a slice such as cache[{f':{odd[0]}' if after else f'{odd[-1] + 1}:'}]?; "
+                               f"pass the whole list of {len(caches)} caches), or an earlier forward pass "
+                               "stopped part-way. Make a new cache (make_prompt_cache) or load a saved one")
             raise ValueError(group["broken"])
 
     def _update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -275,8 +277,16 @@ class TurboQuantKVCache:
         return True
 
     def _store(self, keys: mx.array, values: mx.array) -> None:
-        kc, vc = self._encode(keys, values)
         prev, T = self.offset, keys.shape[2]
+        s = min(T, self.sink_tokens - prev)
+        ck, cv = keys, values
+        if s > 0:
+            # the sinks are read from their exact copies, never from codes: their slots get the
+            # codes of zero vectors, so a sink far outside what a fitted coder represents
+            # (a BOS key) is not refused
+            ck = mx.concatenate([mx.zeros_like(keys[..., :s, :]), keys[..., s:, :]], axis=2)
+            cv = mx.concatenate([mx.zeros_like(values[..., :s, :]), values[..., s:, :]], axis=2)
+        kc, vc = self._encode(ck, cv)
         if self.key_codes is None or prev + T > self.key_codes.length:
             n = -(-T // self.step) * self.step
             if self.key_codes is None:
@@ -357,6 +367,10 @@ class TurboQuantKVCache:
         return not self.fp_window
 
     def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (fewer if fewer are held); returns how many. While a codec
+        still learns, the next update refits without them. Once it has been fitted, a trim
+        below ``sink_tokens`` keeps that fit, made on tokens now gone: make a new cache to
+        refit (mlx-lm's server trims only to a shared prompt prefix, normally longer)."""
         n = _check_trim(n)
         if self.fp_window and n:
             raise ValueError(f"a cache with fp_window={self.fp_window} cannot be trimmed exactly "

@@ -287,7 +287,7 @@ def _write_coders(path: Path, coders) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         mx.save_safetensors(str(tmp), arrays, {"coders": header, "sha256": content_digest(header, arrays)})
         os.replace(tmp, path)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:                        # mlx raises RuntimeError when it cannot write
         tmp.unlink(missing_ok=True)
         warnings.warn(f"turboquant: could not keep the fitted coders in {path} ({e}); the next process "
                       "fits them again", RuntimeWarning, stacklevel=3)

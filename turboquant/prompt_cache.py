@@ -408,7 +408,16 @@ def _learning(m: dict, offset: int, kcodec: Codec, vcodec: Codec) -> Optional[di
     if not isinstance(chunks, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0
                                                for c in chunks) or start + sum(chunks) != offset:
         raise ValueError(f"learning chunks {chunks!r} from {start} do not add up to offset {offset}")
-    _setting(learning, "fit_from")
+    fit_from, fit_tokens = _setting(learning, "fit_from"), _setting(m, "fit_tokens", 1)
+    if sum(chunks) >= fit_from + fit_tokens:
+        raise ValueError(f"learning chunks {chunks!r} hold {sum(chunks)} tokens: the fit on {fit_from} + "
+                         f"{fit_tokens} tokens would have ended")
+    sinks = _setting(m, "sink_tokens", default=0)
+    if m.get("class") == "TurboQuantRotatingKVCache" and fit_from:
+        raise ValueError(f"a rotating cache has no sinks, but learning starts after {fit_from}")
+    if m.get("class") == "TurboQuantKVCache" and (start or sinks != fit_from + fit_tokens):
+        raise ValueError(f"a cache still fitting its codec keeps sink_tokens = {fit_from} + {fit_tokens} exact "
+                         f"from the start; got sink_tokens={sinks}, start={start}")
     if not isinstance(learning["shared"], bool):
         raise ValueError(f"learning 'shared' must be true or false, got {learning['shared']!r}")
     configs = learning["configs"]

@@ -21,7 +21,7 @@ __all__ = ["Code", "Codec", "register", "from_config", "with_dim", "CODECS", "ch
            "FP16_MAX", "FP16_TINY", "check_norms", "check_spans", "check_int", "mse"]
 
 FP16_MAX = 65504.0
-FP16_TINY = 2.0 ** -14          # fp16's smallest normal number
+FP16_TINY = 2.0 ** -17          # below it fp16 (subnormal) keeps less than 8 bits of a value; under 2^-25 it flushes to 0
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 CODECS: dict[str, type] = {}
 
@@ -88,12 +88,13 @@ def check_input(x, dim: int, finite: bool = True) -> mx.array:
     return x
 
 
-def check_norms(norm: mx.array) -> None:
+def check_norms(norm: mx.array, floor: bool = True) -> None:
     """The range rule of every codec that stores a norm in fp16 (one home for it): NaN or
     Inf input (it makes a norm non-finite), norms above ``FP16_MAX`` and nonzero norms below
-    ``FP16_TINY`` are refused — an fp16 norm there loses precision and flushes to zero below
-    6e-8, a relative error up to 1. All-zero vectors are exact (norm 0). Real keys and
-    values lie far inside (norms 0.16 … 282 on the installed models)."""
+    ``FP16_TINY`` are refused — an fp16 norm there keeps less than 8 bits and flushes to zero
+    below 3e-8, a relative error up to 1. All-zero vectors are exact (norm 0). Real keys and
+    values lie far inside (norms 0.16 … 282 on the installed models). ``floor=False`` skips
+    the lower bound, for norms whose error only counts in absolute terms (a residual's)."""
     if norm.size:
         # one sync for all three: NaN or Inf anywhere in x makes the sum non-finite
         total, largest, smallest = mx.stack([mx.sum(norm), mx.max(norm),
@@ -106,7 +107,7 @@ def check_norms(norm: mx.array) -> None:
         if largest > FP16_MAX:
             raise ValueError(f"a vector norm of {largest:.4g} exceeds fp16's range "
                              f"({FP16_MAX}); scale the input down")
-        if smallest < FP16_TINY:
+        if floor and smallest < FP16_TINY:
             raise ValueError(f"a vector norm of {smallest:.3g} is below fp16's normal range ({FP16_TINY:.3g}): "
                              "its stored norm would lose precision or flush to zero; scale the input up "
                              "(all-zero vectors are fine)")
@@ -115,7 +116,7 @@ def check_norms(norm: mx.array) -> None:
 def check_spans(span: mx.array, levels: int) -> None:
     """The same rule for codes that store an fp16 scale span/(levels − 1) per group
     (``AffineCodec``): (levels − 1)·scale must stay within fp16 (span ≤ FP16_MAX·(1 − 2⁻¹⁰),
-    allowing for the scale's rounding), and a nonzero scale must be a normal fp16 number."""
+    allowing for the scale's rounding), and a nonzero scale must reach ``FP16_TINY``."""
     if span.size:
         largest, smallest = mx.stack([mx.max(span), mx.min(mx.where(span > 0, span, mx.inf))]).tolist()
         if largest > FP16_MAX * (1 - 2 ** -10):
@@ -127,13 +128,13 @@ def check_spans(span: mx.array, levels: int) -> None:
                              "(constant groups are fine)")
 
 
-def split_norm(x: mx.array) -> tuple[mx.array, mx.array]:
+def split_norm(x: mx.array, floor: bool = True) -> tuple[mx.array, mx.array]:
     """x (..., D) float32 → (norm (..., 1) float32, unit direction (..., D)); zero stays zero.
 
-    The norm is stored in fp16; a norm above fp16's range is refused, not saturated.
+    The norm is stored in fp16: ``check_norms`` (``floor`` as there).
     """
     norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
-    check_norms(norm)
+    check_norms(norm, floor)
     return norm, x / mx.where(norm > 0, norm, 1.0)
 
 

@@ -56,7 +56,7 @@ class Identity(Codec):
                     raise ValueError("input contains NaN or Inf")
                 raise ValueError(f"input exceeds float16's range (|x| <= {FP16_MAX}); use "
                                  "Identity(dim, 'float32') or scale the input down")
-            if smallest < FP16_TINY:
+            if smallest < FP16_TINY and dtype != mx.float16:       # fp16 input is stored exactly as it is
                 raise ValueError(f"a vector whose largest entry is {smallest:.3g} lies below float16's normal "
                                  f"range ({FP16_TINY:.3g}) and would lose precision or flush to zero; use "
                                  "Identity(dim, 'float32') or scale the input up")

@@ -96,7 +96,10 @@ class QJL(Codec):
     def _encode(self, x: mx.array) -> Code:
         dtype = x.dtype if isinstance(x, mx.array) else None
         x = check_input(x, self.dim, finite=False)
-        norm, u = split_norm(x)
+        return self._encode_checked(x, dtype, floor=True)
+
+    def _encode_checked(self, x: mx.array, dtype, floor: bool) -> Code:
+        norm, u = split_norm(x, floor)
         bits = (u @ self.S.T >= 0).astype(mx.uint32)                     # (…, m)
         return Code({"signs": pack(bits, 1), "norm": norm.astype(mx.float16)},
                     tuple(x.shape[:-1]), dtype, self.config())
@@ -169,7 +172,8 @@ class TurboQuantProd(Codec):
             c = self.mse.encode(x)
             arrays.update(c.arrays)
             residual = x - self.mse.decode(c)
-        r = self.qjl.encode(residual)
+        # a residual's norm γ only bounds an absolute error: no lower bound on it (check_norms)
+        r = self.qjl._encode_checked(residual, residual.dtype, floor=self.mse is None)
         arrays.update({"signs": r["signs"], "gamma": r["norm"]})
         return Code(arrays, tuple(x.shape[:-1]), dtype, self.config())
 
