@@ -27,3 +27,13 @@ def test_pick_returns_the_best_measured_within_the_budget():
     assert (pick(5.25, 64).key_bits, pick(5.25, 64).value_bits) == (5, 4)    # not K5/V5: it measured worse
     with pytest.raises(ValueError, match="smallest is 2.25"):
         pick(2.0, 64)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_a_budgets_bits_are_its_codecs_own(dim):
+    """One rule for bits per coordinate (#27): a budget's bits are the average of what its key
+    and value codecs say they cost, not a second formula."""
+    from turboquant.budget import codecs_for
+    for b in BUDGETS:
+        key, value = codecs_for(b)
+        assert b.bits_per_coordinate(dim) == (key(dim).bits_per_coordinate + value(dim).bits_per_coordinate) / 2

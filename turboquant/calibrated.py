@@ -129,7 +129,7 @@ def _slug(name: str) -> str:
 
 def profile_path(name: str) -> Path:
     """Where ``turboquant calibrate`` writes the profile of ``name``: $TURBOQUANT_CACHE/profiles."""
-    from .models import cache_root
+    from .paths import cache_root
     return cache_root() / "profiles" / f"{_slug(name)}.json"
 
 
@@ -188,7 +188,7 @@ def load_profile(path) -> dict:
 def find_profile(model) -> Optional[dict]:
     """The profile whose signature matches ``model``: the user's ($TURBOQUANT_CACHE/profiles)
     first, then those shipped with the package; None if there is none."""
-    from .models import cache_root
+    from .paths import cache_root
     sig = signature(model)
     for path in sorted((cache_root() / "profiles").glob("*.json")) + shipped_profiles():
         try:
@@ -261,7 +261,7 @@ def coder_store_path(model, key: str) -> Path:
     ``$TURBOQUANT_CACHE/coders/<digest>.safetensors``, the digest over the model's
     fingerprint (architecture, sizes, a hash of its weights), the calibration and the
     configuration, so another model or profile never reads them."""
-    from .models import cache_root
+    from .paths import cache_root
     from .memory import model_fingerprint
     from . import __version__
     digest = hashlib.sha256(json.dumps({"model": model_fingerprint(model), "signature": signature(model),

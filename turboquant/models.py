@@ -22,6 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .checks import check_int
+from .paths import cache_root
 
 __all__ = ["tiny_model", "ByteTokenizer", "run_in_chunks", "MODELS", "DEFAULT_NAME", "DEFAULT_MODEL", "cache_root",
            "model_gguf", "model_dir", "default_gguf", "default_model_dir", "load", "load_default"]
@@ -120,11 +121,6 @@ MODELS = {
 }
 DEFAULT_NAME = "smollm2-135m"
 DEFAULT_MODEL = MODELS[DEFAULT_NAME]
-
-
-def cache_root() -> Path:
-    """``$TURBOQUANT_CACHE`` (default ``~/.cache/turboquant``): converted models, codebooks."""
-    return Path(os.environ.get("TURBOQUANT_CACHE", Path.home() / ".cache" / "turboquant"))
 
 
 def _spec(name: str) -> dict:

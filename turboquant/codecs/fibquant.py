@@ -35,6 +35,7 @@ from scipy import special
 from ..lloyd import kmeans, kmeans_pp, nearest
 from ..packing import MAX_PACK_BITS, index_bits
 from ..rotation import Rotation
+from ..paths import cache_root
 from ..sphere import sample_block
 from .base import check_int, register
 from .table import RotatedTable
@@ -127,10 +128,6 @@ def clear_memory_cache() -> None:
     _built.clear()
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("TURBOQUANT_CACHE", Path.home() / ".cache" / "turboquant"))
-
-
 # Seconds per (training sample × codeword × (k + 2)) of a build on a 2-core CPU (measured:
 # 2.2–4.7e-7 for N = 64…1024); builds estimated beyond MAX_BUILD_SECONDS are refused.
 _SECONDS_PER_UNIT = 3e-7
@@ -149,7 +146,7 @@ def build_seconds(dim: int, k: int, n: int, restarts: int = 4) -> float:
 
 
 def _path(dim, k, n, seed, restarts) -> Path:
-    return _cache_dir() / "fibquant" / f"v{CODEBOOK_VERSION}_D{dim}_k{k}_N{n}_s{seed}_r{restarts}.npz"
+    return cache_root() / "fibquant" / f"v{CODEBOOK_VERSION}_D{dim}_k{k}_N{n}_s{seed}_r{restarts}.npz"
 
 
 def fibquant_codebook(dim: int, k: int, n: int, seed: int = 0, restarts: int = 4,

@@ -67,7 +67,7 @@ def env_arch() -> str:
 
 
 def _cache_dir() -> Path:
-    from ..models import cache_root
+    from ..paths import cache_root
     d = cache_root() / "kernels"
     d.mkdir(parents=True, exist_ok=True)
     return d

@@ -15,12 +15,12 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from ..paths import cache_root
 from . import source
 
 __all__ = ["CppKernels", "compiler", "cpp_source"]
@@ -53,7 +53,7 @@ def cpp_source(op: str, template: dict) -> str:
 
 
 def _cache_dir() -> Path:
-    d = Path(tempfile.gettempdir()) / f"turboquant-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    d = cache_root() / "kernels" / "emulate"
     d.mkdir(parents=True, exist_ok=True)
     return d
 
