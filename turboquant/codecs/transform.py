@@ -333,7 +333,6 @@ class TransformCoder(Codec):
 
     def _encode_rows(self, xh: mx.array) -> dict:
         y = mx.matmul(xh - self.mean[:, None, :], mx.swapaxes(self.transform, -1, -2))   # (H, N, D)
-        self._check_reach(y)
         fields, dec, bits = {}, [], []
         nz = [g for g in self.groups if g[0]]
         for (b, lo, hi), thr, lev in zip(nz, self._thresholds, self.levels):
@@ -350,18 +349,27 @@ class TransformCoder(Codec):
             oi = mx.argpartition(-err, self.outliers - 1, axis=-1)[..., :self.outliers]
             fields["oi"] = oi.astype(mx.uint8)
             ov = mx.take_along_axis(y, oi, axis=-1)
-            if mx.max(mx.abs(ov)).item() > FP16_MAX:
-                raise ValueError(f"an outlier of {mx.max(mx.abs(ov)).item():.4g} exceeds fp16's range "
+            worst, largest = mx.stack([self._far(y), mx.max(mx.abs(ov))]).tolist()   # one sync for both rules
+            self._check_reach(worst)
+            if largest > FP16_MAX:
+                raise ValueError(f"an outlier of {largest:.4g} exceeds fp16's range "
                                  f"({FP16_MAX}); outliers are stored in fp16: scale the input down")
             fields["ov"] = ov.astype(mx.float16)
+        else:
+            self._check_reach(self._far(y).item())
         return fields
 
-    def _check_reach(self, y: mx.array) -> None:
+    def _far(self, y: mx.array) -> mx.array:
+        """The largest number of coefficients of one vector beyond ``REACH`` × its head's
+        largest level (a float32 scalar; 0 for no vectors)."""
+        far = mx.sum(mx.abs(y) > REACH * self._reach[:, None, None], axis=-1)            # (H, N)
+        return (mx.max(far) if far.size else mx.array(0)).astype(mx.float32)
+
+    def _check_reach(self, worst: float) -> None:
         """The range rule of a fitted coder: a coefficient beyond ``REACH`` times the largest
         level of its head would come back as that level (a relative error near 1), so a
         vector with more of them than it stores exactly (``outliers``) is refused."""
-        far = mx.sum(mx.abs(y) > REACH * self._reach[:, None, None], axis=-1)            # (H, N)
-        worst = mx.max(far).item() if far.size else 0
+        worst = int(worst)
         if worst > self.outliers:
             raise ValueError(f"a vector has {worst} coefficient(s) beyond {REACH}x the range this TransformCoder "
                              f"was fitted on (its largest level, {self._reach.max().item():.4g}); it cannot "
