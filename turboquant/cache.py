@@ -134,7 +134,7 @@ class TurboQuantKVCache:
 
     @property
     def values(self) -> Optional[mx.array]:
-        """The held values (B, H_kv, T, D): a view like ``keys`` (codes in ``value_codes``)."""
+        """A view like ``keys``, of the held values (B, H_kv, T, D); the codes are ``value_codes``."""
         return None if self.value_codes is None else self.codes()[1].dequantize()
 
     @values.setter
