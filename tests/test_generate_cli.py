@@ -49,7 +49,8 @@ def test_bad_options_are_one_line_errors(capsys, tmp_path):
                        (["--codec", '{"codec": "turboquant_mse"}'], "missing 1 required positional argument: 'bits'"),
                        (["--codec", '{"codec": "turboquant_mse", "bits": "4"}'], "bits"),
                        (["--key-bits", "9"], "must be <= 8"), (["--key-bits", "0"], "must be >= 1"),
-                       (["--bits", "0.5"], "argument --bits: the profile of smollm2-135m has no configuration within 0.5")):
+                       (["--bits", "0.5"], "argument --bits: the profile of smollm2-135m has no configuration within 0.5"),
+                       (["--codec", '{"codec": "centered"}'], "missing 1 required positional argument: 'inner'")):
         with pytest.raises(SystemExit) as e:
             main(["generate", "--prompt", "x", "--max-tokens", "1", *opts])
         assert e.value.code == 2 and said in capsys.readouterr().err, opts
@@ -59,7 +60,8 @@ def test_codec_option_takes_wrappers(capsys):
     """--codec sets the head size where the codec takes it: a Centered wrapper's inner codec."""
     centered = '{"codec": "centered", "inner": {"codec": "turboquant_mse", "bits": 4}}'
     assert main(["generate", "--prompt", "The capital of France is", "--max-tokens", "2", "--codec", centered]) == 0
-    assert "tok/s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tok/s" in out and "x larger" in out     # 8 tokens, all held exactly while the mean is fitted
     opts = cache_options(codec=centered)
     assert opts["key_codec"](64).config()["inner"] == {**opts["key_codec"](64).inner.config(), "dim": 64}
 

@@ -410,10 +410,15 @@ class TurboQuantKVCache:
     def nbytes(self) -> int:
         if self.key_codes is None:
             return 0
+        return self.key_codes.nbytes + self.value_codes.nbytes + self.exact_nbytes
+
+    @property
+    def exact_nbytes(self) -> int:
+        """Bytes of the tokens held exactly besides their codes: sinks, the recent window, and
+        the first tokens a learning codec is fitted on."""
         warm = (self._warm["k"], self._warm["v"]) if self._warm is not None else ()
-        fp = sum(a.nbytes for a in (self.recent_keys, self.recent_values, self.sink_keys, self.sink_values, *warm)
-                 if a is not None)
-        return self.key_codes.nbytes + self.value_codes.nbytes + fp
+        return sum(a.nbytes for a in (self.recent_keys, self.recent_values, self.sink_keys, self.sink_values, *warm)
+                   if a is not None)
 
     def code_nbytes(self, n_tokens: Optional[int] = None) -> int:
         """The bit accounting: codec bytes per vector × vectors held (B·H·T) for K and V."""

@@ -84,18 +84,21 @@ def fp16_bytes(model, cache: list) -> int:
 
 
 def report(model, cache: list, prefill: tuple[int, float], decode: tuple[int, float]) -> str:
-    """The closing line: tokens/s for prefill and decode; the bytes of the codes held, the
-    bytes allocated (storage grows in steps of 256 tokens) and what fp16 would hold."""
+    """The closing line: tokens/s for prefill and decode; the bytes held (the codes of the
+    held tokens and the tokens kept exactly: sinks, recent window, the tokens a codec is
+    fitted on), the bytes allocated (storage grows in steps of 256 tokens) and what fp16
+    would hold."""
     (np_, tp), (nd, td) = prefill, decode
     allocated = sum(c.nbytes for c in cache)
-    codes = sum(c.code_nbytes(c.size()) if hasattr(c, "code_nbytes") else c.nbytes for c in cache)
+    codes = sum(c.code_nbytes(c.size()) + getattr(c, "exact_nbytes", 0) if hasattr(c, "code_nbytes") else c.nbytes
+                for c in cache)
     fp16 = fp16_bytes(model, cache)
     rate = lambda n, t: f"{n / t:,.1f}" if t > 0 and n else "-"   # noqa: E731
     ratio = "" if not codes else (f", {fp16 / codes:.2f}x smaller" if codes <= fp16 else f", {codes / fp16:.2f}x larger")
     seen, held = cache_len(cache), cache_held(cache)
     tokens = f"{held} tokens" if held == seen else f"the last {held} of {seen} tokens"
     return (f"[prefill {np_} tokens at {rate(np_, tp)} tok/s · decode {nd} tokens at {rate(nd, td)} tok/s · "
-            f"cache: {codes / 1e6:,.3f} MB of codes for {tokens} ({allocated / 1e6:,.3f} MB "
+            f"cache: {codes / 1e6:,.3f} MB of codes and exact tokens for {tokens} ({allocated / 1e6:,.3f} MB "
             f"allocated), fp16 would hold {fp16 / 1e6:,.3f} MB{ratio}]")
 
 

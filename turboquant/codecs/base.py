@@ -8,6 +8,7 @@ which ``from_config`` rebuilds the codec bit for bit.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from dataclasses import dataclass, field
@@ -68,6 +69,9 @@ def with_dim(config: Mapping, dim: int) -> dict:
         raise ValueError(f"a codec config is a mapping with a 'codec' key, got {config!r}")
     if isinstance(config.get("inner"), Mapping):
         return {**config, "inner": with_dim(config["inner"], dim)}
+    cls = CODECS.get(config.get("codec"))
+    if cls is not None and "dim" not in inspect.signature(cls.__init__).parameters:
+        return dict(config)                  # e.g. a wrapper without its inner codec: from_config says so
     return {**config, "dim": dim}
 
 
