@@ -414,8 +414,8 @@ class TurboQuantKVCache:
 
     @property
     def exact_nbytes(self) -> int:
-        """Bytes of the tokens held exactly besides their codes: sinks, the recent window, and
-        the first tokens a learning codec is fitted on."""
+        """How many bytes the tokens held exactly take besides their codes (sinks, the recent
+        window, and the first tokens a learning codec is fitted on)."""
         warm = (self._warm["k"], self._warm["v"]) if self._warm is not None else ()
         return sum(a.nbytes for a in (self.recent_keys, self.recent_values, self.sink_keys, self.sink_values, *warm)
                    if a is not None)
