@@ -188,8 +188,8 @@ class TurboQuantKVCache:
         was given is not the whole prompt cache (e.g. ``cache[:10]``: mlx-lm zips layers
         with caches and silently runs 10 of 30 layers): refuse, and mark the cache unusable."""
         caches, o = group["caches"], self.offset
-        i = next((n for n, c in enumerate(caches) if c is self), None)
-        if i is None:
+        i = getattr(self, "group_index", None)          # set with the group (prompt_cache._tag): no search per step
+        if i is None or i >= len(caches) or caches[i] is not self:
             return
         before = [n for n in range(i) if caches[n].offset != o + T]
         after = [n for n in range(i + 1, len(caches)) if caches[n].offset != o]

@@ -34,8 +34,8 @@ def _tag(cache: list) -> list:
     against the model's layers) and the group it belongs to (a failed forward pass marks the
     whole group unusable: ``TurboQuantKVCache.update_and_fetch``)."""
     group = {"caches": [c for c in cache if isinstance(c, TurboQuantKVCache)], "broken": None}
-    for c in group["caches"]:
-        c.n_layers, c.group = len(cache), group
+    for i, c in enumerate(group["caches"]):
+        c.n_layers, c.group, c.group_index = len(cache), group, i
     return cache
 
 
