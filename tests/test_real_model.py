@@ -8,7 +8,7 @@ from turboquant.cache import FIT_TOKENS
 from turboquant.codecs import Centered, Identity, TurboQuantMSE
 from turboquant.convert import unpermute_qk
 from turboquant.data import load_text
-from turboquant.eval import (cache_bits, capture_qkv, encode_text, layer_fidelity, needle_prompt,
+from turboquant.eval import (capture_qkv, encode_text, layer_fidelity, needle_prompt,
                              perplexity)
 from turboquant.models import load_default
 
@@ -121,12 +121,19 @@ def test_needle_prompt_places_the_fact(smol):
         needle_prompt(tok, hay, 512, 1.5, "1")
 
 
-def test_cache_bits_counts_every_byte(smol):
+def test_measured_bits_count_every_byte_of_the_tokens_held(smol):
+    """One rule for KV bytes (memory.kv_bytes): measured bits divide the bytes by the
+    coordinates the cache holds — a sliding-window cache holds its window, not every token
+    it has seen (before #27 eval divided by ``offset``: 1.6 bits for this ring)."""
     import mlx.core as mx
+    from turboquant.memory import fp16_cache_bytes, measured_bits
     model = smol[0]
-    cache = make_prompt_cache(model, key_codec=lambda d: TurboQuantMSE(d, 3))
-    model(mx.array([list(range(100, 356))]), cache=cache)
-    assert cache_bits(model, cache) == 3.25
+    for kw, held in (({}, 256), ({"max_kv_size": 128}, 128)):
+        cache = make_prompt_cache(model, key_codec=lambda d: TurboQuantMSE(d, 3), **kw)
+        model(mx.array([list(range(100, 355))]), cache=cache)
+        model(mx.array([[355]]), cache=cache)          # one decode step: a ring is back to its window
+        assert measured_bits(model, cache) == 3.25
+        assert fp16_cache_bytes(model, cache) == len(cache) * held * 2 * 3 * 64 * 2
 
 
 def test_bitaxon_ring_on_real_keys(smol, wiki):

@@ -13,7 +13,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 
-__all__ = ["reference_attention", "cosine_similarity", "relative_error", "attention_fidelity",
+__all__ = ["reference_attention", "causal_mask", "positions_mask", "cosine_similarity", "relative_error",
+           "attention_fidelity",
            "attention_from_codes", "codes_attention", "patch_attention", "output_fidelity"]
 
 
@@ -83,11 +84,24 @@ def output_fidelity(approx: mx.array, exact: mx.array) -> dict:
 
 
 # ------------------------------------------------------------------ from codes (Chapter 7)
+def positions_mask(q_pos: mx.array, k_pos: mx.array, window: int | None = None) -> mx.array:
+    """Query at position p sees key at position j when j ≤ p (and p − W < j with a window
+    W): (Tq, Tk) bool, True = keep. The one mask rule: ``causal_mask``, the evaluation's
+    fidelity and sink measurements and Bit-Axon's sliding window use it."""
+    d = q_pos[:, None] - k_pos[None, :]
+    return d >= 0 if window is None else (d >= 0) & (d < window)
+
+
+def causal_mask(Tq: int, T: int, window: int | None = None) -> mx.array:
+    """(Tq, T) bool: the last ``Tq`` of ``T`` positions as queries over all ``T`` as keys."""
+    return positions_mask(mx.arange(T - Tq, T), mx.arange(T), window)
+
+
 def _causal(mask, Tq: int, T: int):
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown mask {mask!r}")
-        return mx.arange(T - Tq, T)[:, None] >= mx.arange(T)[None]
+        return causal_mask(Tq, T)
     return mask
 
 

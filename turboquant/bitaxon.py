@@ -28,18 +28,17 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import attention_from_codes, reference_attention
+from .attention import attention_from_codes, positions_mask, reference_attention
 from .cache import TurboQuantRotatingKVCache
 from .checks import check_int
 from .codes import CodesView
-from .checks import check_int
 from .codecs.base import Codec
 from .codecs.fibquant import FibQuant
 from .codecs.scalar import TurboQuantMSE
 from .codecs.spec import CodecSpec, codec_for
 
 __all__ = ["SWAConfig", "BIT_AXON", "SMALL", "KVCache", "SWAttention", "QuantizedSWACache", "TurboQuant",
-           "full_sequence_attention", "window_attention", "positions_mask"]
+           "full_sequence_attention", "window_attention"]
 
 
 @dataclass(frozen=True)
@@ -150,12 +149,6 @@ class QuantizedSWACache:
 class _Shape:
     def __init__(self, shape):
         self.shape = shape
-
-
-def positions_mask(q_pos: mx.array, k_pos: mx.array, window: int) -> mx.array:
-    """Query at p sees key at j when p − W < j ≤ p: (Tq, Tk) bool."""
-    d = q_pos[:, None] - k_pos[None, :]
-    return (d >= 0) & (d < window)
 
 
 class SWAttention(nn.Module):

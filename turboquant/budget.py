@@ -23,14 +23,60 @@ Wikipedia tokens, 512-token windows: the recorded run ``book/results/eval_full.j
 a test checks these numbers against). ``pick(bits)`` returns the configuration with the
 smallest measured increase among those within the budget (fewer bits on a tie), so more
 bits are never chosen when they measured worse (K5/V5 at +0.58 % against K5/V4 at +0.38 %).
+
+This module is the one home of three rules every other module uses:
+
+* **bits of a configuration** are what its codecs say (``codec.bits_per_coordinate``,
+  averaged over keys and values): ``Budget.bits`` builds its codecs and asks them;
+* **the best configuration within a budget**: ``best_within`` (one tolerance, ``TOLERANCE``;
+  smallest score, fewer bits on a tie) — budgets, profiles, the suite and the figures call it;
+* **TurboQuant_mse for keys and values**: ``codecs_for`` (keys optionally centred; the
+  value codec's rotation seed is the key codec's + 1, so keys and values are rotated
+  independently, in every table that uses it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, TypeVar
 
-from .codecs import Centered, TurboQuantMSE
+__all__ = ["Budget", "BUDGETS", "pick", "codecs_for", "best_within", "within", "TOLERANCE", "RECORDED_RUN"]
 
-__all__ = ["Budget", "BUDGETS", "pick", "codecs_for", "RECORDED_RUN"]
+T = TypeVar("T")
+TOLERANCE = 1e-9          # bits that differ by float rounding only are equal
+
+
+def within(bits: float, budget: float) -> bool:
+    """Whether ``bits`` per coordinate fit in ``budget`` (up to float rounding)."""
+    return bits <= budget + TOLERANCE
+
+
+def best_within(items: Iterable[T], budget: float, *, bits: Callable[[T], float],
+                score: Callable[[T], float]) -> Optional[T]:
+    """The item with the smallest ``score`` among ``items`` whose ``bits`` fit in ``budget``
+    (fewer bits on a tie, then the first); None if none fits. The one rule for "the best
+    configuration within a budget": ``pick``, calibrated profiles, ``suite.best_under`` and
+    the figures all call it."""
+    fits = [(score(it), bits(it), i, it) for i, it in enumerate(items) if within(bits(it), budget)]
+    return min(fits, key=lambda t: t[:3])[3] if fits else None
+
+
+def codecs_for(key_bits, value_bits: Optional[int] = None, center_keys: bool = False, seed: int = 0):
+    """(key codec factory, value codec factory), each ``dim -> codec``, for
+    TurboQuant_mse at ``key_bits``/``value_bits`` bits (None: kept exactly, ``Identity``),
+    keys optionally ``Centered``. The one seed convention: keys use ``seed``, values
+    ``seed + 1`` (independent rotations). ``key_bits`` may be a ``Budget`` (its bits and
+    centering)."""
+    from .codecs import Centered, Identity, TurboQuantMSE
+    if isinstance(key_bits, Budget):
+        key_bits, value_bits, center_keys = key_bits.key_bits, key_bits.value_bits, key_bits.center_keys
+
+    def factory(b, s, centered):
+        if b is None:
+            return lambda d: Identity(d)
+        if centered:
+            return lambda d: Centered(TurboQuantMSE(d, b, seed=s))
+        return lambda d: TurboQuantMSE(d, b, seed=s)
+    return factory(key_bits, seed, center_keys), factory(value_bits, seed + 1, False)
 
 
 @dataclass(frozen=True)
@@ -44,9 +90,22 @@ class Budget:
     center_keys: bool = True
     sink_tokens: int = 1
 
+    def codecs(self, dim: int, seed: int = 0) -> tuple:
+        """(key codec, value codec) at head size ``dim`` (``codecs_for``)."""
+        key, value = codecs_for(self, seed=seed)
+        return key(dim), value(dim)
+
+    def bits(self, dim: int) -> float:
+        """Average over keys and values of the codecs' ``bits_per_coordinate`` (b + 16/D: the
+        fp16 norm of each vector)."""
+        key, value = self.codecs(dim)
+        return (key.bits_per_coordinate + value.bits_per_coordinate) / 2
+
     def bits_per_coordinate(self, dim: int) -> float:
-        """Average over K and V of b + 16/D (the fp16 norm of each vector)."""
-        return (self.key_bits + self.value_bits) / 2 + 16 / dim
+        """Deprecated name of ``bits``."""
+        from .checks import deprecated
+        deprecated("Budget.bits_per_coordinate(dim)", "Budget.bits(dim)")
+        return self.bits(dim)
 
     @property
     def name(self) -> str:
@@ -67,20 +126,9 @@ def pick(bits: float, dim: int) -> Budget:
     most ``bits`` bits per coordinate (at head size ``dim``); fewer bits on a tie."""
     if isinstance(bits, bool) or not isinstance(bits, (int, float)) or bits != bits:
         raise TypeError(f"bits must be a number, got {bits!r}")
-    fits = [b for b in BUDGETS if b.bits_per_coordinate(dim) <= bits + 1e-9]
-    if not fits:
-        lo = min(b.bits_per_coordinate(dim) for b in BUDGETS)
+    best = best_within(BUDGETS, bits, bits=lambda b: b.bits(dim), score=lambda b: b.measured_increase)
+    if best is None:
+        lo = min(b.bits(dim) for b in BUDGETS)
         raise ValueError(f"no measured configuration fits {bits} bits per coordinate at head size "
                          f"{dim}; the smallest is {lo:g}")
-    return min(fits, key=lambda b: (b.measured_increase, b.bits_per_coordinate(dim)))
-
-
-def codecs_for(budget: Budget, seed: int = 0):
-    """(key codec factory, value codec factory) for ``make_prompt_cache``."""
-    def key(d):
-        c = TurboQuantMSE(d, budget.key_bits, seed=seed)
-        return Centered(c) if budget.center_keys else c
-
-    def value(d):
-        return TurboQuantMSE(d, budget.value_bits, seed=seed + 1)
-    return key, value
+    return best

@@ -23,9 +23,11 @@ __all__ = ["candidates", "calibrate", *_calibrated_all]
 def candidates(budget: float, dim: int) -> list[Choice]:
     """The configurations ``calibrate`` compares at a budget: equal K/V bits with and without
     one outlier per vector, and half a bit moved from values to keys."""
+    from .budget import within
+    from .codecs.transform import TransformCoder
     out = [Choice(budget, budget, 1), Choice(budget, budget, 0), Choice(budget + 0.5, budget - 0.5, 1)]
-    return [c for c in out if 24 * c.outliers < int(min(c.key_bits, c.value_bits) * dim + 1e-9)
-            and max(c.key_bits, c.value_bits) <= 8 and c.bits(dim) <= budget + 1e-9]
+    return [c for c in out if 24 * c.outliers < TransformCoder.vector_bits(min(c.key_bits, c.value_bits), dim)
+            and max(c.key_bits, c.value_bits) <= 8 and within(c.bits(dim), budget)]
 
 
 def _ppl_factory(model, keys, values, sink):

@@ -55,10 +55,11 @@ class Choice:
     sink_tokens: int = 1
 
     def bits(self, dim: int) -> float:
-        """Average over K and V of what each vector stores, per coordinate (⌊bits·D⌋ bits
-        per vector, as ``TransformCoder.calibrate`` spends them)."""
-        per = lambda b: int(np.floor(b * dim + 1e-9))
-        return (per(self.key_bits) + per(self.value_bits)) / (2 * dim)
+        """Average over K and V of the fitted coders' ``bits_per_coordinate``
+        (``TransformCoder.bits_for``: ⌊bits·D⌋ bits per vector)."""
+        from .codecs.transform import TransformCoder
+        return (TransformCoder.bits_for(self.key_bits, dim, self.outliers)
+                + TransformCoder.bits_for(self.value_bits, dim, self.outliers)) / 2
 
 
 def _bos(tokenizer) -> Optional[int]:
@@ -202,12 +203,14 @@ def find_profile(model) -> Optional[dict]:
 
 def profile_entry(profile: dict, bits: float, dim: int) -> dict:
     """The budget entry with the lowest measured perplexity among those within ``bits``."""
-    fits = [e for e in profile["budgets"] if Choice(**e["choice"]).bits(dim) <= bits + 1e-9]
-    if not fits:
-        lo = min(Choice(**e["choice"]).bits(dim) for e in profile["budgets"])
+    from .budget import best_within
+    size = lambda e: Choice(**e["choice"]).bits(dim)
+    best = best_within(profile["budgets"], bits, bits=size, score=lambda e: e["ppl"])
+    if best is None:
+        lo = min(size(e) for e in profile["budgets"])
         raise ValueError(f"the profile of {profile.get('model')} has no configuration within {bits} bits "
                          f"per coordinate; the smallest is {lo:g}")
-    return min(fits, key=lambda e: (e["ppl"], Choice(**e["choice"]).bits(dim)))
+    return best
 
 
 _MEMO: dict = {"model": None, "stats": {}, "codecs": {}}

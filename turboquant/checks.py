@@ -7,7 +7,24 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["check_int", "check_out_file"]
+__all__ = ["check_int", "check_out_file", "deprecated", "TurboQuantDeprecationWarning"]
+
+
+class TurboQuantDeprecationWarning(FutureWarning):
+    """A name kept for one release after it was renamed (shown to users, unlike
+    ``DeprecationWarning``)."""
+
+
+_WARNED: set = set()
+
+
+def deprecated(old: str, new: str) -> None:
+    """Warn, once per process, that ``old`` is now ``new``."""
+    if old not in _WARNED:
+        _WARNED.add(old)
+        import warnings
+        warnings.warn(f"{old} is deprecated: use {new} (the old name goes in the next release)",
+                      TurboQuantDeprecationWarning, stacklevel=3)
 
 
 def check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:

@@ -6,7 +6,8 @@ import math
 
 import mlx.core as mx
 
-from .bitaxon import SWAttention, positions_mask
+from .attention import positions_mask
+from .bitaxon import SWAttention
 
 __all__ = ["upstream_trimmed_prefill"]
 

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import attention_fidelity, patch_attention
+from .attention import attention_fidelity, causal_mask, patch_attention
+from .memory import measured_bits
 
-__all__ = ["encode_text", "bos_id", "perplexity", "cache_bits", "capture_qkv", "layer_fidelity",
+__all__ = ["encode_text", "bos_id", "perplexity", "capture_qkv", "layer_fidelity",
            "needle_prompt", "needle_accuracy", "needle_values", "top1_agreement", "greedy_agreement", "ring_fidelity",
            "key_statistics"]
 
@@ -111,7 +112,7 @@ def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, windo
     262,144 × 2,048 tokens × 4 bytes would be 2.1 GB at once).
 
     Returns {"ppl", "nll" (mean, nats), "n_scored", "windows", "bits"}: "bits" is the
-    cache's measured bits per cached coordinate after the first window (``cache_bits``).
+    cache's measured bits per cached coordinate after the first window (``memory.measured_bits``).
     With ``compare``, every window also runs through a full-precision cache, and the
     result adds "kl" (mean KL divergence of the next-token distribution from the
     full-precision one, nats) and "top1" (fraction of scored positions whose most likely
@@ -147,7 +148,7 @@ def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, windo
         total += nll
         count += window - 1
         if bits is None:
-            bits = cache_bits(model, cache)
+            bits = measured_bits(model, cache)
     out = {"ppl": math.exp(total / count), "nll": total / count, "n_scored": count,
            "windows": n_win, "bits": bits}
     if compare:
@@ -156,13 +157,10 @@ def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, windo
 
 
 def cache_bits(model, cache) -> float:
-    """Measured bits per cached coordinate: total ``nbytes`` of the layer caches × 8 divided
-    by (tokens × layers × 2 × kv heads × head size). Storage allocated in steps counts."""
-    from .memory import geometry_from_model
-    g = geometry_from_model(model)
-    D, H = g.head_dim, g.n_kv_heads
-    coords = sum(c.offset for c in cache) * 2 * H * D
-    return 8 * sum(c.nbytes for c in cache) / coords if coords else float("nan")
+    """Deprecated name of ``memory.measured_bits``."""
+    from .checks import deprecated
+    deprecated("eval.cache_bits", "memory.measured_bits")
+    return measured_bits(model, cache)
 
 
 def _recording(model, record: list):
@@ -212,7 +210,7 @@ def layer_fidelity(captured: list[dict], key_codec: Callable, value_codec: Optio
             k_hat = mx.concatenate([k[:, :, :sink_tokens], k_hat[:, :, sink_tokens:]], axis=2)
             v_hat = mx.concatenate([v[:, :, :sink_tokens], v_hat[:, :, sink_tokens:]], axis=2)
         nq = min(queries, T)
-        mask = mx.arange(T - nq, T)[:, None] >= mx.arange(T)[None]
+        mask = causal_mask(nq, T)
         f = attention_fidelity(q[:, :, T - nq:], k, v, k_hat, v_hat, scale=scale, mask=mask)
         f["key_rel_mse"] = (mx.sum((k_hat - k) ** 2) / mx.sum(k * k)).item()
         out.append(f)
@@ -317,8 +315,7 @@ def key_statistics(captured: list[dict]) -> dict:
         q, k, s = layer["q"], layer["k"], layer["scale"]
         T = k.shape[2]
         scores = (q * s) @ mx.swapaxes(_repeat_kv(k, q.shape[1]), -1, -2)
-        causal = mx.arange(T)[:, None] >= mx.arange(T)[None]
-        p = mx.softmax(mx.where(causal, scores, -mx.inf), axis=-1, precise=True)
+        p = mx.softmax(mx.where(causal_mask(T, T), scores, -mx.inf), axis=-1, precise=True)
         mass.append(mx.mean(p[..., 1:, 0]).item())
         mu = mx.mean(k, axis=2, keepdims=True)
         energy.append((mx.sum((k - mu) ** 2) / mx.sum(k * k)).item())

@@ -15,7 +15,9 @@ from typing import Callable, Optional, TextIO
 
 import mlx.core as mx
 
-__all__ = ["cache_options", "new_cache", "generate_text", "chat", "fp16_bytes", "report"]
+from .memory import fp16_cache_bytes
+
+__all__ = ["cache_options", "new_cache", "generate_text", "chat", "report"]
 
 
 def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, value_bits: Optional[int] = None,
@@ -74,13 +76,12 @@ def new_cache(model, options: dict, load_path: Optional[str] = None) -> list:
     return make_prompt_cache(model, **options, warn_rotating=False)
 
 
-def fp16_bytes(model, cache: list) -> int:
-    """Bytes an fp16 mlx-lm cache would hold for the same tokens in every layer
-    (sliding-window layers count their window, as their rings hold)."""
-    from .memory import geometry_from_model
-    g = geometry_from_model(model)
-    per_token = 2 * g.n_kv_heads * g.head_dim * 2
-    return sum(per_token * c.size() for c in cache if hasattr(c, "size"))
+def fp16_bytes(model, cache: list) -> float:
+    """Deprecated name of ``memory.fp16_cache_bytes``."""
+    from .checks import deprecated
+    from .memory import fp16_cache_bytes
+    deprecated("generate.fp16_bytes", "memory.fp16_cache_bytes")
+    return fp16_cache_bytes(model, cache)
 
 
 def report(model, cache: list, prefill: tuple[int, float], decode: tuple[int, float]) -> str:
@@ -92,7 +93,7 @@ def report(model, cache: list, prefill: tuple[int, float], decode: tuple[int, fl
     allocated = sum(c.nbytes for c in cache)
     codes = sum(c.code_nbytes(c.size()) + getattr(c, "exact_nbytes", 0) if hasattr(c, "code_nbytes") else c.nbytes
                 for c in cache)
-    fp16 = fp16_bytes(model, cache)
+    fp16 = fp16_cache_bytes(model, cache)
     rate = lambda n, t: f"{n / t:,.1f}" if t > 0 and n else "-"   # noqa: E731
     ratio = "" if not codes else (f", {fp16 / codes:.2f}x smaller" if codes <= fp16 else f", {codes / fp16:.2f}x larger")
     seen, held = cache_len(cache), cache_held(cache)

@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass
 
 __all__ = [
-    "Layer", "AttentionGeometry", "PRESETS", "kv_cache_bytes", "cached_tokens",
+    "Layer", "AttentionGeometry", "PRESETS", "kv_bytes", "kv_cache_bytes", "cached_tokens",
+    "held_tokens", "fp16_cache_bytes", "measured_bits",
     "affine_side_bits", "NORM_SIDE_BITS", "bits_per_coordinate", "geometry_from_model", "cache_count",
     "model_geometry", "model_fingerprint", "describe_model",
 ]
@@ -122,6 +123,48 @@ def cached_tokens(layer: Layer, context: int, alloc_step: int = 1) -> int:
     return min(held, layer.window) if layer.kind == "sliding" else held
 
 
+def _check_bits(bits, side_bits_per_vector) -> None:
+    if isinstance(bits, bool) or not (isinstance(bits, (int, float)) and math.isfinite(bits) and bits > 0):
+        raise ValueError(f"bits must be a positive finite number, got {bits!r}")
+    if isinstance(side_bits_per_vector, bool) or not (isinstance(side_bits_per_vector, (int, float))
+                                                      and math.isfinite(side_bits_per_vector)
+                                                      and side_bits_per_vector >= 0):
+        raise ValueError(f"side_bits_per_vector must be >= 0, got {side_bits_per_vector!r}")
+
+
+def kv_bytes(tokens: int, kv_heads: int, head_dim: int, bits: float = 16,
+             side_bits_per_vector: float = 0) -> float:
+    """Bytes of K and V for ``tokens`` cached tokens of one layer: 2·T·H_kv·(D·b + s)/8.
+    The one formula: ``kv_cache_bytes`` (all layers of a geometry), the roofline's bytes per
+    step, ``fp16_cache_bytes`` and ``measured_bits`` call it."""
+    _check_count("tokens", tokens)
+    _check_count("kv_heads", kv_heads, 1)
+    _check_count("head_dim", head_dim, 1)
+    _check_bits(bits, side_bits_per_vector)
+    return 2 * tokens * kv_heads * (head_dim * bits + side_bits_per_vector) / 8
+
+
+def held_tokens(cache: list) -> int:
+    """Tokens the caches of a model's prompt cache hold, summed over layers (``size()``: a
+    sliding-window layer holds its window, not every token it has seen)."""
+    return sum(c.size() for c in cache if hasattr(c, "size"))
+
+
+def fp16_cache_bytes(model, cache: list) -> float:
+    """Bytes an fp16 mlx-lm cache would hold for the tokens ``cache`` holds."""
+    g = geometry_from_model(model)
+    return kv_bytes(held_tokens(cache), g.n_kv_heads, g.head_dim, 16)
+
+
+def measured_bits(model, cache: list) -> float:
+    """Bits per held coordinate that ``cache`` really spends: its bytes (``nbytes``: codes,
+    side information, exact tokens, storage allocated in steps) × 8 over the coordinates
+    of the tokens it holds (NaN for an empty cache)."""
+    g = geometry_from_model(model)
+    per_bit = kv_bytes(held_tokens(cache), g.n_kv_heads, g.head_dim, 1)
+    return sum(c.nbytes for c in cache) / per_bit if per_bit else float("nan")
+
+
 def kv_cache_bytes(geometry: AttentionGeometry | str, context: int, bits: float = 16,
                    side_bits_per_vector: float = 0, batch: int = 1,
                    alloc_step: int = 1) -> float:
@@ -134,13 +177,9 @@ def kv_cache_bytes(geometry: AttentionGeometry | str, context: int, bits: float 
     if not isinstance(g, AttentionGeometry):
         raise ValueError(f"unknown geometry {geometry!r}; presets: {sorted(PRESETS)}")
     _check_count("batch", batch, 1)
-    if not (isinstance(bits, (int, float)) and math.isfinite(bits) and bits > 0):
-        raise ValueError(f"bits must be a positive finite number, got {bits!r}")
-    if not (isinstance(side_bits_per_vector, (int, float)) and side_bits_per_vector >= 0):
-        raise ValueError(f"side_bits_per_vector must be >= 0, got {side_bits_per_vector!r}")
+    _check_bits(bits, side_bits_per_vector)
     tokens = sum(cached_tokens(l, context, alloc_step) for l in g.attention_layers)
-    bits_per_vector = g.head_dim * bits + side_bits_per_vector
-    return 2 * batch * tokens * g.n_kv_heads * bits_per_vector / 8
+    return batch * kv_bytes(tokens, g.n_kv_heads, g.head_dim, bits, side_bits_per_vector)
 
 
 def affine_side_bits(head_dim: int, group_size: int = 64, scale_bits: int = 16) -> int:

@@ -89,8 +89,9 @@ def attainable_gflops(intensity: float, peak_gflops: float, bandwidth_gb_s: floa
 
 
 def attention_bytes(tokens: int, kv_heads: int, head_dim: int, bits: float, side_bits_per_vector: float = 0) -> float:
-    """Bytes of K and V one decode step's attention reads in one layer: 2·T·H_kv·(D·b + s)/8."""
-    for name, v in (("tokens", tokens), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    return 2 * tokens * kv_heads * (head_dim * _positive("bits", bits) + side_bits_per_vector) / 8
+    """Bytes of K and V one decode step's attention reads in one layer: 2·T·H_kv·(D·b + s)/8
+    (``memory.kv_bytes``: what the cache holds is what a step reads)."""
+    from .memory import kv_bytes
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+    return kv_bytes(tokens, kv_heads, head_dim, bits, side_bits_per_vector)

@@ -17,9 +17,8 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 
 from . import eval as tqeval
-from .budget import BUDGETS, codecs_for
-from .codecs import (AffineCodec, Centered, FibQuant, OutlierSplit, PolarQuant, TurboQuantMSE,
-                     TurboQuantProd)
+from .budget import BUDGETS, best_within, codecs_for
+from .codecs import AffineCodec, FibQuant, OutlierSplit, PolarQuant, TurboQuantProd
 from .data import load_text
 from .prompt_cache import make_prompt_cache
 
@@ -84,11 +83,11 @@ class Config:
         if self.kivi is not None:
             b, g, _ = self.kivi
             return b + (32 / g + 32 / 64) / 2          # without the float16 recent window: see measured_bits
-        if self.calibrated is not None:
+        if self.calibrated is not None:                 # what the coders fitted from these arguments cost
+            from .codecs.transform import TransformCoder
             c = self.calibrated
-            if c.get("uniform"):
-                return (c["key_bits"] + c["value_bits"]) / 2 + 24 * c.get("outliers", 0) / dim
-            return (round(c["key_bits"] * dim) + round(c["value_bits"] * dim)) / (2 * dim)
+            per = lambda b: TransformCoder.bits_for(b, dim, c.get("outliers", 0), c.get("uniform", False))
+            return (per(c["key_bits"]) + per(c["value_bits"])) / 2
         if self.profile_bits is not None:
             return self.profile_bits
         if self.key is None:
@@ -97,17 +96,17 @@ class Config:
         return (kc.bits_per_coordinate + vc.bits_per_coordinate) / 2
 
 
-def _mse(b, seed=0):
-    return lambda d: TurboQuantMSE(d, b, seed=seed)
+def _mse(family, key_bits, value_bits=None, center_keys=False, **kw) -> Config:
+    """A TurboQuant_mse configuration through ``budget.codecs_for`` (its one seed convention)."""
+    k, v = codecs_for(key_bits, key_bits if value_bits is None else value_bits, center_keys)
+    return Config(family, k, v, **kw)
 
 
 def _budget_configs():
-    out = {}
-    for b in BUDGETS:
-        k, v = codecs_for(b)
-        out[f"budget K{b.key_bits}/V{b.value_bits}"] = Config(
-            "budget (centered keys + sink)", k, v, sink_tokens=b.sink_tokens, note=b.name)
-    return out
+    return {f"budget K{b.key_bits}/V{b.value_bits}": _mse("budget (centered keys + sink)", b.key_bits,
+                                                             b.value_bits, b.center_keys,
+                                                             sink_tokens=b.sink_tokens, note=b.name)
+            for b in BUDGETS}
 
 
 CONFIGS: dict[str, Config] = {
@@ -117,22 +116,22 @@ CONFIGS: dict[str, Config] = {
     "uniform 4": Config("per-vector uniform", lambda d: AffineCodec(d, 4, 64), note="naive min-max per vector"),
     "uniform 3": Config("per-vector uniform", lambda d: AffineCodec(d, 3, 64), note="naive min-max per vector"),
     "uniform 2": Config("per-vector uniform", lambda d: AffineCodec(d, 2, 64), note="naive min-max per vector"),
-    "TQ-mse 4": Config("TurboQuant_mse", _mse(4)),
-    "TQ-mse 3": Config("TurboQuant_mse", _mse(3)),
-    "TQ-mse 2": Config("TurboQuant_mse", _mse(2)),
+    "TQ-mse 4": _mse("TurboQuant_mse", 4),
+    "TQ-mse 3": _mse("TurboQuant_mse", 3),
+    "TQ-mse 2": _mse("TurboQuant_mse", 2),
     "TQ-prod 4": Config("TurboQuant_prod", lambda d: TurboQuantProd(d, 4)),
     "TQ-prod 3": Config("TurboQuant_prod", lambda d: TurboQuantProd(d, 3)),
     "PolarQuant": Config("PolarQuant", lambda d: PolarQuant(d)),
     "FibQuant 3.5": Config("FibQuant", lambda d: FibQuant(d, 2, 128)),
     "FibQuant 2.5": Config("FibQuant", lambda d: FibQuant(d, 2, 32)),
-    "K4/V2": Config("asymmetric", _mse(4), _mse(2)),
-    "K4/V3": Config("asymmetric", _mse(4), _mse(3)),
-    "K3/V4": Config("asymmetric", _mse(3), _mse(4)),
-    "TQ-mse 3 + 64 fp recent": Config("recent window", _mse(3), fp_window=64),
+    "K4/V2": _mse("asymmetric", 4, 2),
+    "K4/V3": _mse("asymmetric", 4, 3),
+    "K3/V4": _mse("asymmetric", 3, 4),
+    "TQ-mse 3 + 64 fp recent": _mse("recent window", 3, fp_window=64),
     "outlier split 16@3 + 48@2": Config("outlier split", lambda d: OutlierSplit(d, n_outliers=d // 4,
                                                                                outlier_bits=3, bits=2)),
-    "centered TQ-mse 4": Config("centered", lambda d: Centered(TurboQuantMSE(d, 4))),
-    "centered TQ-mse 3": Config("centered", lambda d: Centered(TurboQuantMSE(d, 3))),
+    "centered TQ-mse 4": _mse("centered", 4, center_keys=True),
+    "centered TQ-mse 3": _mse("centered", 3, center_keys=True),
     **_budget_configs(),
     # ---- published methods, reproduced on the same tokens (Chapter 10)
     **{f"rotated affine {b}": Config("rotated affine", lambda d, b=b: AffineCodec(d, b, 64, rotation="hadamard"),
@@ -280,23 +279,18 @@ def mse_config(key_bits: Optional[int] = None, value_bits: Optional[int] = None,
                sink_tokens: int = 0) -> Config:
     """A TurboQuant_mse configuration: ``key_bits``/``value_bits`` (None: kept exactly, the
     ``Identity`` codec), keys optionally ``Centered``, ``sink_tokens`` exact leading tokens.
-    ``mse_config(4, 4, True, 1).make_cache(model)`` is a cache factory for ``turboquant.eval``."""
-    from .codecs import Centered, Identity, TurboQuantMSE
-
-    def factory(bits, centered):
-        if bits is None:
-            return lambda d: Identity(d)
-        return (lambda d: Centered(TurboQuantMSE(d, bits))) if centered else (lambda d: TurboQuantMSE(d, bits))
-    return Config("TQ-mse", key=factory(key_bits, center_keys), value=factory(value_bits, False),
-                  sink_tokens=sink_tokens)
+    ``mse_config(4, 4, True, 1).make_cache(model)`` is a cache factory for ``turboquant.eval``.
+    Codecs from ``budget.codecs_for`` (values rotated with seed 1, keys with seed 0)."""
+    k, v = codecs_for(key_bits, value_bits, center_keys)
+    return Config("TQ-mse", key=k, value=v, sink_tokens=sink_tokens)
 
 
 def best_under(result: dict, bits: float, exclude=("reference", "recent window")) -> tuple:
     """(increase %, name, bits) of the configuration of ``result`` (``evaluate``'s output)
     with the smallest perplexity increase within ``bits`` bits per coordinate; families in
     ``exclude`` are left out."""
-    fits = [(inc, n, b) for n, fam, b, ppl, inc in frontier_rows(result)
-            if b <= bits + 1e-9 and fam not in exclude]
-    if not fits:
+    rows = [(inc, n, b) for n, fam, b, ppl, inc in frontier_rows(result) if fam not in exclude]
+    best = best_within(rows, bits, bits=lambda r: r[2], score=lambda r: r[0])
+    if best is None:
         raise ValueError(f"no configuration within {bits} bits per coordinate")
-    return min(fits)
+    return best

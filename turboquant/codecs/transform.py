@@ -210,7 +210,7 @@ class TransformCoder(Codec):
         if not np.all(np.isfinite(x)):
             raise ValueError("calibration vectors contain NaN or Inf")
         H, N, D = x.shape
-        total = int(math.floor(float(bits) * D + 1e-9)) - (0 if uniform else 24 * outliers)   # never above bits
+        total = cls.vector_bits(bits, D, outliers, uniform) - 24 * outliers      # the payload: never above bits
         if total < 0 or total > max_bits * D:
             raise ValueError(f"bits={bits} leaves {total} bits per vector for D={D} with {outliers} outliers")
         if uniform and total % D:
@@ -252,6 +252,20 @@ class TransformCoder(Codec):
                 levels.append([[lloyd_1d(y[h, :, i], 1 << b).tolist() for i in cols] for h in range(H)])
         return cls(D, alloc, np.stack(means), np.stack(ts), np.stack(invs), levels, levels0 or None,
                    outliers=outliers, kind=transform if metric is None else f"{transform}+metric")
+
+    @staticmethod
+    def vector_bits(bits: float, dim: int, outliers: int = 0, uniform: bool = False) -> int:
+        """Bits each vector stores when ``calibrate`` is asked for ``bits`` per coordinate:
+        ⌊bits·D⌋, exact outliers (24 bits each) inside; with ``uniform``, bits·D plus the
+        outliers on top. The one home of this rule: ``bits_for`` and profiles' budgets use it."""
+        per = int(math.floor(float(bits) * dim + 1e-9))
+        return per + 24 * outliers if uniform else per
+
+    @classmethod
+    def bits_for(cls, bits: float, dim: int, outliers: int = 0, uniform: bool = False) -> float:
+        """``bits_per_coordinate`` of the coder ``calibrate(…, bits, outliers=, uniform=)``
+        fits at head size ``dim`` (known before fitting: ``vector_bits / dim``)."""
+        return cls.vector_bits(bits, dim, outliers, uniform) / dim
 
     @classmethod
     def example(cls, dim):

@@ -7,8 +7,8 @@ from .style import COLORS, figure
 def best_within(rows, budget: float):
     """The row with the smallest error among ``rows`` = [(label, bits, error)] whose bits are
     at most ``budget`` (up to float rounding); ``None`` if no row fits."""
-    fits = [r for r in rows if r[1] <= budget + 1e-9]
-    return min(fits, key=lambda r: r[2]) if fits else None
+    from ..budget import best_within as best
+    return best(rows, budget, bits=lambda r: r[1], score=lambda r: r[2])
 
 
 def lower_edge(rows):

@@ -45,8 +45,9 @@ def plot_budget_choice(rows, budget: float = 4.25, title: str = ""):
     within ``budget`` bits highlighted and the best of them marked."""
     fig, ax = figure(width=7.0, height=4.0)
     pts = [(r[0], r[1], r[2], max(r[4], 0.01)) for r in rows if r[1] != "reference"]
-    inside = [p for p in pts if p[2] <= budget + 1e-9]
-    out = [p for p in pts if p[2] > budget + 1e-9]
+    from ..budget import within
+    inside = [p for p in pts if within(p[2], budget)]
+    out = [p for p in pts if not within(p[2], budget)]
     if out:
         ax.scatter([p[2] for p in out], [p[3] for p in out], s=18, color="#bbbbbb", label="over budget")
     if inside:
