@@ -198,27 +198,27 @@ def test_generation_by_default_matches_mx_path():
 
 def test_no_compiler_warns_once_and_uses_mx_path(monkeypatch):
     monkeypatch.setattr(emulate, "compiler", lambda: None)
-    kernels.fast_cpu_backend.cache_clear()
+    kernels.cpu_kernels_backend.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="no C.. compiler"):
-            assert kernels.fast_cpu_backend() is None
+            assert kernels.cpu_kernels_backend() is None
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert kernels.fast_cpu_backend() is None        # memoised: no second warning
+            assert kernels.cpu_kernels_backend() is None        # memoised: no second warning
         if kernels.gpu_backend() is None and kernels.env_mode() == "auto":
             assert kernels.active() is None and "no C++ compiler" in kernels.why()
     finally:
-        kernels.fast_cpu_backend.cache_clear()
+        kernels.cpu_kernels_backend.cache_clear()
 
 
 def test_failed_self_check_is_not_adopted(monkeypatch):
     monkeypatch.setattr(cpu, "self_check", lambda b: "scores differ by 1")
-    kernels.fast_cpu_backend.cache_clear()
+    kernels.cpu_kernels_backend.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="not adopted .scores differ by 1"):
-            assert kernels.fast_cpu_backend() is None
+            assert kernels.cpu_kernels_backend() is None
     finally:
-        kernels.fast_cpu_backend.cache_clear()
+        kernels.cpu_kernels_backend.cache_clear()
 
 
 def test_built_per_cpu_and_source(tmp_path, monkeypatch):

@@ -278,7 +278,7 @@ def test_launch_size_limits():
     assert not kernels.fits(spec, 8, 2 ** 16, 2 ** 12)       # 16 GiB of codes in one launch
 
 
-class _Perturbed:
+class _Perturbed(kernels.LaunchBackend):
     """A back-end with one slightly wrong kernel."""
 
     def __init__(self, inner, op):
@@ -293,7 +293,7 @@ class _Perturbed:
         return outs
 
 
-class _Broken:
+class _Broken(kernels.LaunchBackend):
     name = "broken"
 
     def run(self, *args):

@@ -30,7 +30,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["CpuKernels", "build", "self_check", "machine_signature", "env_arch", "compile_attempts", "SOURCE", "ARCH_ENV"]
+from .backend import Backend
+
+__all__ = ["CpuKernels", "ENCODE_ROWS", "MATMUL_ROWS", "build", "self_check", "machine_signature", "env_arch", "compile_attempts", "SOURCE", "ARCH_ENV"]
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 ARCH_ENV = "TURBOQUANT_CPU_ARCH"
@@ -170,10 +172,28 @@ _F = ctypes.c_void_p
 MATMUL_ROWS = 16
 
 
-class CpuKernels:
+# The CPU kernels encode what a decode step adds (a few vectors per layer, where mx's
+# per-operation costs dominate); prefill chunks and bulk encodes keep the mx path, so the
+# codes a prompt gets — and every measurement made by prefilling — are the reference's bit
+# for bit (the two differ in float rounding: the kernel rotates by a matrix product, the mx
+# path by a fast transform; on real keys about one code byte in 10^4 differs, which moved
+# Chapter 9's perplexities by up to 0.5 points when it touched the attention sink's key).
+ENCODE_ROWS = 64
+
+
+class CpuKernels(Backend):
     """Scores and value sums of rotated-table codes on the CPU (``cpu.cpp``)."""
 
     name = "cpu"
+
+    def takes_encode(self, spec, rows: int) -> bool:
+        return rows <= ENCODE_ROWS                  # decode steps only: see ENCODE_ROWS
+
+    def takes_attend(self, q: mx.array) -> bool:
+        return q.shape[2] * q.shape[3] < MATMUL_ROWS    # many queries per kv head: decode + matmul
+
+    def self_check(self) -> str | None:
+        return self_check(self)
 
     def __init__(self, cxx: str, arch: str = "native"):
         self.path, self.messages = build(cxx, arch)
@@ -291,7 +311,7 @@ def self_check(backend: CpuKernels) -> str | None:
     dedicated path for (scalar 1–4 and 8 bits, FibQuant with 8-bit and other indices,
     grouped heads, a view sliced along T): None when they agree, else what differed."""
     from ..codecs import FibQuant, TurboQuantMSE
-    from . import use
+    from .select import use
     with use(None):                                          # the reference: the mx path
         return _check(backend, FibQuant, TurboQuantMSE)
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..paths import cache_root
 from . import source
+from .backend import LaunchBackend
 
 __all__ = ["CppKernels", "compiler", "cpp_source"]
 
@@ -58,8 +59,9 @@ def _cache_dir() -> Path:
     return d
 
 
-class CppKernels:
-    """A back-end with the interface of the GPU ones (``run``), compiled for this CPU."""
+class CppKernels(LaunchBackend):
+    """The emulation of the GPU kernels: a back-end with their interface (``run``), the
+    bodies compiled for this CPU."""
 
     name = "cpp"
 

@@ -1,0 +1,167 @@
+"""Which kernel back-end runs, and why (Performance chapter).
+
+``active()`` is the back-end in use: a forced one (``use``), else by ``TURBOQUANT_KERNELS``
+(``env_mode``): "auto" (the GPU's kernels if mlx has a GPU, else the CPU kernels), "0"
+(none: the mx path), "cpp" (the GPU kernel bodies compiled as C++ and run on the CPU: the
+emulation, ``emulation_backend``). Every back-end is adopted only after its
+``self_check()``, once per process; ``why()`` says in one sentence what happened.
+"""
+from __future__ import annotations
+
+import contextvars
+import os
+import warnings
+from contextlib import contextmanager
+from functools import lru_cache
+
+import mlx.core as mx
+
+__all__ = ["active", "use", "why", "backend_name", "env_mode", "adopt", "gpu_backend",
+           "cpu_kernels_backend", "emulation_backend", "emulated"]
+
+# A back-end forced by ``use()`` in this context (thread or task); _AUTO: choose by the
+# environment. A ContextVar, so a ``use`` block in one thread does not switch another's.
+_AUTO = object()
+_forced: contextvars.ContextVar = contextvars.ContextVar("turboquant_kernels", default=_AUTO)
+_MODES = ("auto", "1", "0", "cpp")
+_WHY = {}
+
+
+@lru_cache(maxsize=1)
+def env_mode() -> str:
+    """``TURBOQUANT_KERNELS``, read and validated once per process: "auto" (default, also
+    "1"), "0" or "cpp". A bad value gives one warning naming the variable, then "auto"."""
+    mode = os.environ.get("TURBOQUANT_KERNELS", "auto")
+    if mode not in _MODES:
+        warnings.warn(f"turboquant: TURBOQUANT_KERNELS must be one of {_MODES}, got {mode!r}; "
+                      "using 'auto'", RuntimeWarning, stacklevel=3)
+        return "auto"
+    return mode
+
+
+def adopt(make):
+    """``make()`` if the back-end it builds passes its ``self_check``, else None (and a warning)."""
+    try:
+        backend = make()
+        problem = backend.self_check()
+    except Exception as e:                                   # compile or launch failure
+        backend, problem = None, f"{type(e).__name__}: {e}"
+    if problem is not None:
+        warnings.warn(f"turboquant: the fused kernels were not adopted ({problem}); using the mx "
+                      "path. Please report this.", RuntimeWarning, stacklevel=2)
+        return None
+    return backend
+
+
+@lru_cache(maxsize=1)
+def gpu_backend():
+    """The GPU back-end mlx has here ("metal" or "cuda" kernels), or None on a CPU-only build.
+
+    On first use the kernels are compiled and run once against the mx path (``self_check``);
+    if that fails they are not used, with a RuntimeWarning saying why."""
+    from .backend import MxKernels
+    if mx.metal.is_available():
+        return adopt(lambda: MxKernels("metal"))
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return adopt(lambda: MxKernels("cuda"))
+    return None
+
+
+@lru_cache(maxsize=1)
+def cpu_kernels_backend():
+    """The CPU kernels (``turboquant.kernels.cpu``), built on first use for the ``-march``
+    of ``cpu.env_arch()`` (``TURBOQUANT_CPU_ARCH``, default "native") and adopted after their
+    self-check; None (with one warning saying why) without a C++ compiler or when the build
+    or the check fails."""
+    from . import cpu, emulate
+    arch = cpu.env_arch()
+    cxx = emulate.compiler()
+    if cxx is None:
+        _WHY["cpu"] = "no C++ compiler (set $CXX or install g++)"
+        warnings.warn("turboquant: no C++ compiler found (set $CXX or install g++), so attention "
+                      "from codes runs on the slower mx path", RuntimeWarning, stacklevel=3)
+        return None
+    try:
+        backend = cpu.CpuKernels(cxx, arch)
+        problem = cpu.self_check(backend)
+    except Exception as e:                                   # compile or load failure
+        backend, problem = None, f"{type(e).__name__}: {e}"
+    if problem is not None:
+        _WHY["cpu"] = problem
+        warnings.warn(f"turboquant: the CPU kernels were not adopted ({problem}); using the mx "
+                      "path. Please report this.", RuntimeWarning, stacklevel=3)
+        return None
+    target = "this CPU" if arch == "native" else f"-march={arch} (TURBOQUANT_CPU_ARCH)"
+    _WHY["cpu"] = f"built for {target} ({backend.isa}) at {backend.path}, self-check passed"
+    return backend
+
+
+def emulated():
+    """A new emulation of the GPU kernels: their bodies compiled as C++ for this CPU (needs a
+    C++ compiler). How the tests check the GPU bodies without a GPU; slower than the CPU
+    kernels."""
+    from .emulate import CppKernels
+    return CppKernels()
+
+
+@lru_cache(maxsize=1)
+def emulation_backend():
+    """The emulation of the GPU kernels as an opt-in back-end (``TURBOQUANT_KERNELS=cpp``),
+    adopted after the same self-check as a GPU's; None without a C++ compiler."""
+    from .emulate import compiler
+    if compiler() is None:
+        warnings.warn("turboquant: TURBOQUANT_KERNELS=cpp needs a C++ compiler (set $CXX or "
+                      "install g++); using the mx path", RuntimeWarning, stacklevel=3)
+        return None
+    return adopt(emulated)
+
+
+def active():
+    """The back-end the package uses now: a forced one (``use``), else by
+    ``TURBOQUANT_KERNELS`` (``env_mode``): "auto" the GPU's if mlx has one, else the CPU
+    kernels; "0" none; "cpp" the emulation. None means the mx-operations path."""
+    forced = _forced.get()
+    if forced is not _AUTO:
+        return forced
+    mode = env_mode()
+    if mode == "0":
+        return None
+    if mode == "cpp":
+        return emulation_backend()
+    gpu = gpu_backend()
+    return gpu if gpu is not None else cpu_kernels_backend()
+
+
+def why() -> str:
+    """Why the active back-end is the one it is, in one sentence."""
+    forced = _forced.get()
+    if forced is not _AUTO:
+        return "forced by kernels.use()"
+    mode = env_mode()
+    if mode == "0":
+        return "TURBOQUANT_KERNELS=0: the mx path"
+    if mode == "cpp":
+        return "TURBOQUANT_KERNELS=cpp: the GPU kernel bodies compiled as C++ (the emulation)"
+    if gpu_backend() is not None:
+        return f"mlx has a GPU ({gpu_backend().name}); its kernels passed their self-check"
+    backend = cpu_kernels_backend()
+    return "no GPU; CPU kernels " + _WHY.get("cpu", "") if backend is not None else \
+        "no GPU, and the CPU kernels are not in use: " + _WHY.get("cpu", "unknown")
+
+
+def backend_name() -> str:
+    """"metal", "cuda", "cpu", "cpp" or "mx" (no kernels)."""
+    b = active()
+    return "mx" if b is None else b.name
+
+
+@contextmanager
+def use(backend):
+    """Force a back-end inside the block (this thread or task only): ``use(None)`` for the
+    mx path, ``use(emulated())`` for the emulation."""
+    token = _forced.set(backend)
+    try:
+        yield backend
+    finally:
+        _forced.reset(token)
