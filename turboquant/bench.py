@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import mlx.core as mx
 
-__all__ = ["time_call", "encode_decode_seconds", "affine_seconds", "matmul_gflops",
+__all__ = ["generation_run", "time_call", "encode_decode_seconds", "affine_seconds", "matmul_gflops",
            "scoring_tokens_per_second", "blas_comparison", "decode_attention_seconds", "decode_attention_rows",
            "decode_codecs", "DECODE_HEADERS", "generation_tokens_per_second", "memory_bandwidth"]
 
@@ -199,3 +200,39 @@ def blas_comparison(with_model: bool = True, n_tokens: int = 256) -> dict:
             raise RuntimeError(f"BLAS probe failed: {r.stderr[-2000:]}")
         out[label] = json.loads(r.stdout.strip().splitlines()[-1])
     return out
+
+
+def generation_run(model: str = "smollm2-135m", context: int = 8192, new_tokens: int = 32,
+                   bits: Sequence[int] = (4,), corpus: str = "lee", progress=None) -> dict:
+    """``turboquant bench generate``: greedy tokens/s after ``context`` tokens of ``corpus``,
+    an fp32 mlx-lm cache against TurboQuant_mse caches at each of ``bits`` (attention from
+    codes), interleaved (``generation_tokens_per_second``). A JSON-able record: the runs,
+    the model, the back-end and the machine."""
+    import os
+    import platform
+    from mlx_lm.models.cache import make_prompt_cache as mlx_cache
+    from . import kernels
+    from .budget import codecs_for
+    from .codecs.scalar import TurboQuantMSE
+    from .data import load_text
+    from .eval import encode_text
+    from .memory import cache_count
+    from .models import load
+    from .prompt_cache import make_prompt_cache
+    for b in bits:
+        TurboQuantMSE(64, b)                                  # bad bits fail before a model loads
+    net, tokenizer = load(model)
+    ids = encode_text(tokenizer, load_text(corpus), context)
+    if len(ids) < context:
+        raise ValueError(f"the {corpus} corpus has only {len(ids)} tokens, fewer than --context {context}")
+    caches = {"fp32 cache (mlx-lm KVCache)": mlx_cache(net)}
+    for b in bits:
+        key, value = codecs_for(b, b)
+        caches[f"TurboQuant_mse {b}-bit K/V, attention from codes ({kernels.backend_name()})"] = \
+            make_prompt_cache(net, key_codec=key, value_codec=value)
+    if progress:
+        progress(f"then {new_tokens} greedy steps per cache, interleaved")
+    runs = generation_tokens_per_second(net, caches, mx.array(ids, dtype=mx.int32), new_tokens, progress=progress)
+    return {"kind": "greedy generation", "model": model, "context": context, "new_tokens": new_tokens,
+            "corpus": corpus, "runs": runs, "layers": cache_count(net), "backend": kernels.backend_name(),
+            "machine": platform.machine(), "cpu_count": os.cpu_count(), "bandwidth_gb_s": memory_bandwidth()}

@@ -77,27 +77,20 @@ def _memory(args) -> int:
 
 
 def _model(args) -> int:
-    import mlx.core as mx
-    from mlx_lm import generate
     from . import blas
-    from .models import MODELS, load, model_dir
+    from .models import MODELS, check
     names = sorted(MODELS) if args.model == "all" else [args.model]
     if args.folder is not None and len(names) > 1:
         args.parser.error("--folder needs one --model")
     print(f"fast BLAS: {blas.status()}")
     failed = False
     for name in names:
-        model, tok = load(name, args.folder)
-        print(f"{name}: {args.folder or model_dir(name)} (licence: {MODELS[name]['license']})")
-        text = generate(model, tok, args.prompt, max_tokens=args.max_tokens)
-        print(f"  greedy: {args.prompt!r} → {text!r}")
+        r = check(name, args.folder, args.prompt, args.max_tokens, args.expect)
+        print(f"{name}: {r['folder']} (licence: {r['license']})")
+        print(f"  greedy: {args.prompt!r} → {r['text']!r}")
         if args.expect:
-            logits = model(mx.array(tok.encode(args.prompt))[None])[0, -1].astype(mx.float32)
-            want = tok.encode(" " + args.expect.strip(), add_special_tokens=False)[0]
-            rank = int(mx.sum(logits > logits[want]).item()) + 1
-            p = mx.softmax(logits)[want].item()
-            print(f"  next token {tok.decode([want])!r}: rank {rank}, probability {p:.3f}")
-            if rank > args.top:
+            print(f"  next token {r['expected_token']!r}: rank {r['rank']}, probability {r['probability']:.3f}")
+            if r["rank"] > args.top:
                 print(f"error: {name}: {args.expect!r} is not among the {args.top} most likely next tokens",
                       file=sys.stderr)
                 failed = True
@@ -229,6 +222,9 @@ def _eval(args) -> int:
 
 def _kernels(args) -> int:
     from . import kernels
+    if args.bench:
+        print("turboquant kernels --bench is deprecated: use `turboquant bench decode` (with "
+              "TURBOQUANT_KERNELS=cpp for the emulation); running it now", file=sys.stderr)
     if args.emulated:
         ctx = kernels.use(kernels.emulated())
     else:
@@ -293,57 +289,29 @@ def _bench_decode(args) -> int:
 
 
 def _bench_generate(args) -> int:
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache as mlx_cache
-    from . import kernels
-    from .bench import generation_tokens_per_second
-    from .codecs.scalar import TurboQuantMSE
-    from .data import load_text
-    from .eval import encode_text
-    from .memory import cache_count
-    from .models import load
-    from .prompt_cache import make_prompt_cache
-    for b in args.bits:
-        TurboQuantMSE(64, b)                                  # bad --bits fail before a model loads
-    model, tokenizer = load(args.model)
-    ids = encode_text(tokenizer, load_text(args.corpus), args.context)
-    if len(ids) < args.context:
-        raise ValueError(f"the {args.corpus} corpus has only {len(ids)} tokens, fewer than --context {args.context}")
-    prompt = mx.array(ids, dtype=mx.int32)
-    caches = {"fp32 cache (mlx-lm KVCache)": mlx_cache(model)}
-    for b in args.bits:
-        caches[f"TurboQuant_mse {b}-bit K/V, attention from codes ({kernels.backend_name()})"] = make_prompt_cache(
-            model, key_codec=lambda d, b=b: TurboQuantMSE(d, b), value_codec=lambda d, b=b: TurboQuantMSE(d, b))
+    from .bench import generation_run
     say = None if args.quiet else lambda m: print(m + " ...", file=sys.stderr, flush=True)
-    if say:
-        say(f"then {args.new_tokens} greedy steps per cache, interleaved")
-    runs = generation_tokens_per_second(model, caches, prompt, args.new_tokens, progress=say)
+    result = generation_run(args.model, args.context, args.new_tokens, args.bits, args.corpus, progress=say)
+    runs = result["runs"]
     base = next(iter(runs.values()))["tokens_per_s"]
     print(f"greedy decoding after {args.context} tokens of {args.corpus}, {args.new_tokens} steps per cache "
           "(interleaved), tokens/s from the median step:")
     for label, r in runs.items():
         print(f"  {label:60s} {r['tokens_per_s']:7.2f} tokens/s  ({r['tokens_per_s'] / base:.2f}x the fp32 cache)")
     if args.out:
-        import platform
-        from .bench import memory_bandwidth
-        _write_json(args.out, {"kind": "greedy generation", "model": args.model, "context": args.context,
-                               "new_tokens": args.new_tokens, "corpus": args.corpus, "runs": runs,
-                               "layers": cache_count(model), "backend": kernels.backend_name(),
-                               "machine": platform.machine(), "cpu_count": __import__("os").cpu_count(),
-                               "bandwidth_gb_s": memory_bandwidth()})
+        _write_json(args.out, result)
     return 0
 
 
-_BENCH_ONLY = {"decode": ("tokens", "repeats", "slow_up_to"),
-               "generate": ("model", "context", "new_tokens", "bits", "corpus")}
-
-
-def _bench(args) -> int:
-    other = "generate" if args.what == "decode" else "decode"
-    for name in _BENCH_ONLY[other]:                     # an option of the other mode: say so
-        if getattr(args, name) != args.parser.get_default(name):
-            raise ValueError(f"--{name.replace('_', '-')} applies to `turboquant bench {other}` only")
-    return _bench_decode(args) if args.what == "decode" else _bench_generate(args)
+def _decode_options(parser, hidden: bool = False) -> None:
+    """``bench decode``'s options (also the deprecated ``kernels --bench``'s, hidden there)."""
+    h = (lambda text: argparse.SUPPRESS) if hidden else (lambda text: text)
+    parser.add_argument("--tokens", type=_int_at_least(1), nargs="+", default=[1024, 4096, 16384, 65536],
+                        help=h("cache lengths T"))
+    parser.add_argument("--repeats", type=_int_at_least(1), default=5, help=h("timed calls per cell (median)"))
+    parser.add_argument("--slow-up-to", type=_int_at_least(1), default=16384,
+                        help=h("time the slow paths (dequantize, mx path) only up to this T"))
+    parser.add_argument("--quiet", action="store_true", help=h("no progress lines"))
 
 
 def main(argv=None) -> int:
@@ -431,35 +399,33 @@ def main(argv=None) -> int:
 
     k = sub.add_parser("kernels", help="which fused-kernel back-end is used, why, and its self-check")
     k.add_argument("--emulated", action="store_true", help="check the GPU kernel bodies through their C++ build (CPU)")
-    k.add_argument("--bench", action="store_true", help="then time decode attention (as `turboquant bench decode`)")
-    k.add_argument("--tokens", type=_int_at_least(1), nargs="+", default=[1024, 4096, 16384], help="cache lengths for --bench")
-    k.add_argument("--repeats", type=_int_at_least(1), default=5)
-    k.add_argument("--slow-up-to", type=_int_at_least(1), default=16384, help=argparse.SUPPRESS)
-    k.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+    k.add_argument("--bench", action="store_true", help=argparse.SUPPRESS)   # deprecated: `bench decode`
+    _decode_options(k, hidden=True)
     k.set_defaults(run=_kernels)
 
-    b = sub.add_parser("bench", help="decode speed: attention from codes vs fp32 (decode), tokens/s (generate)",
-                       description="decode: one decode step's attention over T cached tokens (B=1, H=8, "
-                       "D=128, float32) for TurboQuant_mse 4/3/2 bits and FibQuant, as speed-ups over fp32 "
-                       "SDPA measured in the same run. generate: greedy tokens/s of a real model after a long "
-                       "prompt, fp32 cache against TurboQuant caches read through attention from codes.")
-    b.add_argument("what", choices=["decode", "generate"])
-    b.add_argument("--tokens", type=_int_at_least(1), nargs="+", default=[1024, 4096, 16384, 65536],
-                   help="decode: cache lengths T")
-    b.add_argument("--repeats", type=_int_at_least(1), default=5, help="decode: timed calls per cell (median)")
-    b.add_argument("--slow-up-to", type=_int_at_least(1), default=16384,
-                   help="decode: time the slow paths (dequantize, mx path) only up to this T")
-    b.add_argument("--model", default="smollm2-135m", help="generate: an installed model or an mlx-lm folder")
-    b.add_argument("--context", type=_int_at_least(1), default=8192, help="generate: prompt tokens before decoding")
-    b.add_argument("--new-tokens", type=_int_at_least(1), default=32, help="generate: timed greedy tokens per cache")
-    b.add_argument("--bits", type=_int_at_least(1), nargs="+", default=[4], help="generate: TurboQuant_mse bits")
-    b.add_argument("--corpus", choices=["wikipedia", "lee"], default="lee", help="generate: prompt text")
-    b.add_argument("--out", default=None, help="write the results as JSON here")
-    b.add_argument("--quiet", action="store_true", help="no progress lines")
-    b.set_defaults(run=_bench)
+    b = sub.add_parser("bench", help="decode speed: attention from codes vs fp32 (decode), tokens/s (generate)")
+    bsub = b.add_subparsers(dest="what", required=True, metavar="{decode,generate}")
+    bd = bsub.add_parser("decode", help="one decode step's attention over T cached tokens",
+                         description="One decode step's attention over T cached tokens (B=1, H=8, D=128, "
+                         "float32) for TurboQuant_mse 4/3/2 bits and FibQuant, as speed-ups over fp32 SDPA "
+                         "measured in the same run.")
+    _decode_options(bd)
+    bd.add_argument("--out", default=None, help="write the results as JSON here")
+    bd.set_defaults(run=_bench_decode)
+    bg = bsub.add_parser("generate", help="greedy tokens/s of a real model after a long prompt",
+                         description="Greedy tokens/s of a real model after a long prompt, fp32 cache against "
+                         "TurboQuant caches read through attention from codes.")
+    bg.add_argument("--model", default="smollm2-135m", help="an installed model or an mlx-lm folder")
+    bg.add_argument("--context", type=_int_at_least(1), default=8192, help="prompt tokens before decoding")
+    bg.add_argument("--new-tokens", type=_int_at_least(1), default=32, help="timed greedy tokens per cache")
+    bg.add_argument("--bits", type=_int_at_least(1), nargs="+", default=[4], help="TurboQuant_mse bits")
+    bg.add_argument("--corpus", choices=["wikipedia", "lee"], default="lee", help="prompt text")
+    bg.add_argument("--out", default=None, help="write the results as JSON here")
+    bg.add_argument("--quiet", action="store_true", help="no progress lines")
+    bg.set_defaults(run=_bench_generate)
     args = p.parse_args(argv)
     args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c,
-                   "bench": b}[args.command]
+                   "bench": {"decode": bd, "generate": bg}.get(getattr(args, "what", None), b)}[args.command]
     try:
         # where results go is checked before the work that produces them
         if getattr(args, "save_cache", None):

@@ -24,7 +24,7 @@ import mlx.core as mx
 from .checks import check_int
 from .paths import cache_root
 
-__all__ = ["tiny_model", "ByteTokenizer", "run_in_chunks", "MODELS", "DEFAULT_NAME", "DEFAULT_MODEL", "cache_root",
+__all__ = ["check", "tiny_model", "ByteTokenizer", "run_in_chunks", "MODELS", "DEFAULT_NAME", "DEFAULT_MODEL", "cache_root",
            "model_gguf", "model_dir", "default_gguf", "default_model_dir", "load", "load_default"]
 
 
@@ -219,3 +219,21 @@ def load(name_or_path: str | os.PathLike = DEFAULT_NAME, folder: str | os.PathLi
 def load_default(folder: str | os.PathLike | None = None):
     """(model, tokenizer) of SmolLM2-135M-Instruct in float32, offline: ``load("smollm2-135m")``."""
     return load(DEFAULT_NAME, folder)
+
+
+def check(name: str = DEFAULT_NAME, folder: str | os.PathLike | None = None, prompt: str = "The capital of France is",
+          max_tokens: int = 8, expect: str | None = None) -> dict:
+    """``turboquant model``: load (converting once) and run an installed model offline.
+    {"folder", "license", "text": greedy continuation of ``prompt``} and, with ``expect``,
+    the rank and probability of its first token as the next token ("expected_token",
+    "rank", "probability")."""
+    from mlx_lm import generate
+    model, tok = load(name, folder)
+    out = {"folder": str(folder or model_dir(name)), "license": MODELS[name]["license"],
+           "text": generate(model, tok, prompt, max_tokens=max_tokens)}
+    if expect:
+        logits = model(mx.array(tok.encode(prompt))[None])[0, -1].astype(mx.float32)
+        want = tok.encode(" " + expect.strip(), add_special_tokens=False)[0]
+        out.update(expected_token=tok.decode([want]), rank=int(mx.sum(logits > logits[want]).item()) + 1,
+                   probability=mx.softmax(logits)[want].item())
+    return out
