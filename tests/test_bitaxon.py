@@ -5,7 +5,7 @@ import pytest
 from turboquant import memory
 from turboquant.attention import cosine_similarity
 from turboquant.demos import upstream_trimmed_prefill
-from turboquant.bitaxon import (BIT_AXON, SMALL, KVCache, QuantizedSWACache, SWAConfig, SWAttention, TurboQuant,
+from turboquant.bitaxon import (BIT_AXON, SMALL, ExactSWACache, QuantizedSWACache, SWAConfig, SWAttention, TurboQuant,
                                 full_sequence_attention)
 from turboquant.models import run_in_chunks
 from turboquant.codecs import Centered, FibQuant, Identity, OutlierSplit, PolarQuant, TurboQuantMSE, TurboQuantProd
@@ -30,7 +30,7 @@ SPLITS = [[300], [100, 100, 100], [70] + [1] * 30 + [200], [200] + [1] * 100, [5
 def test_any_split_equals_full_sequence_attention(layer, splits):
     x = mx.random.normal((2, 300, 256), key=mx.random.key(1))
     ref = full_sequence_attention(layer, x)
-    for cache in (KVCache(SMALL.window), QuantizedSWACache(SMALL.window, Identity(64))):
+    for cache in (ExactSWACache(SMALL.window), QuantizedSWACache(SMALL.window, Identity(64))):
         out = run(layer, cache, x, splits)
         assert not mx.any(mx.isnan(out)).item()
         assert mx.abs(out - ref).max().item() < 1e-5
@@ -61,7 +61,7 @@ def test_head_size_80_works_with_every_codec(make):
 
 def test_compress_decompress_keeps_shape_dtype_window_offset(layer):
     x = mx.random.normal((1, 150, 256), key=mx.random.key(4))
-    kv = KVCache(SMALL.window)
+    kv = ExactSWACache(SMALL.window)
     run(layer, kv, x, [150])
     for tq in (TurboQuant(payload_bits=4), TurboQuant(payload_bits=2.5), TurboQuant(codec=lambda d: PolarQuant(d))):
         q = tq.compress(kv)
@@ -75,7 +75,7 @@ def test_compress_decompress_keeps_shape_dtype_window_offset(layer):
     b = layer(nxt, cache=TurboQuant(codec=lambda d: Identity(d)).compress(KVCache_like(layer, x)))
     assert mx.abs(a - b).max().item() < 1e-5
     with pytest.raises(ValueError):
-        TurboQuant(payload_bits=4).compress(KVCache(8))
+        TurboQuant(payload_bits=4).compress(ExactSWACache(8))
     with pytest.raises(TypeError):
         TurboQuant(payload_bits=4).decompress(kv)
     with pytest.raises(ValueError, match="whole number"):
@@ -83,7 +83,7 @@ def test_compress_decompress_keeps_shape_dtype_window_offset(layer):
 
 
 def KVCache_like(layer, x):
-    kv = KVCache(SMALL.window)
+    kv = ExactSWACache(SMALL.window)
     run(layer, kv, x, [150])
     return kv
 
@@ -111,7 +111,7 @@ def test_long_run_constant_memory_and_within_codec_error(layer):
     ring, then chunks of 1,024 tokens up to offset 65,536: memory never grows and the output
     stays within the codec's error. (65,536 single steps of the one ring of codes both SWA
     caches share: tests/test_cache.py.)"""
-    ref, q = KVCache(SMALL.window), QuantizedSWACache(SMALL.window, TurboQuantMSE(64, 4))
+    ref, q = ExactSWACache(SMALL.window), QuantizedSWACache(SMALL.window, TurboQuantMSE(64, 4))
     sizes, cos = set(), []
     for i in range(4096):
         if i % 1024 == 0:
@@ -169,9 +169,9 @@ def test_window_attention_refuses_a_zero_window_or_chunk():
 
 def test_both_cache_faces_take_the_same_window_sizes():
     import numpy as np
-    assert KVCache(np.int64(4)).window_size == 4
+    assert ExactSWACache(np.int64(4)).window_size == 4
     assert QuantizedSWACache(np.int64(4), TurboQuantMSE(64, 4)).ring.max_size == 4
     for bad in (True, 2.5, 0):
-        for make in (lambda w: KVCache(w), lambda w: QuantizedSWACache(w, TurboQuantMSE(64, 4))):
+        for make in (lambda w: ExactSWACache(w), lambda w: QuantizedSWACache(w, TurboQuantMSE(64, 4))):
             with pytest.raises(ValueError, match="window_size"):
                 make(bad)

@@ -157,9 +157,9 @@ def test_compacting_the_ring_changes_no_later_output(steps, keep):
         x = mx.random.uniform(shape=(1, 2, s, 4), key=mx.random.key(i))
         seen.append(x)
         step_agrees(ours, ref, x, window=5)
-        ordered = ours.ordered_codes()[0].dequantize()           # oldest first: the true history
+        ordered = ours.codes()[0].dequantize()           # oldest first: the true history
         ours.compact()
-        held = ours.ordered_codes()[0].dequantize()
+        held = ours.codes()[0].dequantize()
         history = mx.concatenate(seen, axis=2)
         T = history.shape[2]
         assert held.shape[2] == min(T, 8) and ours.nbytes <= mx.zeros((1, 2, 8, 4)).nbytes * 2

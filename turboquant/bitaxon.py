@@ -3,8 +3,9 @@
 Bit-Axon (an Apache-2.0 MLX model) has 8 sliding-window attention (SWA) layers: hidden
 2560, 32 heads of D = 80, no grouped-query attention, no positional encoding on keys;
 query i sees keys j with i − W < j ≤ i, W = 4096; attention runs in query chunks of 512
-with plain matmul and softmax. Its cache, ``KVCache(window_size)``, keeps arrays ``.k`` and
-``.v`` of shape (B, H, T, 80).
+with plain matmul and softmax. Its cache, ``KVCache(window_size)`` (here ``ExactSWACache``:
+no class of this package is named like an mlx-lm class), keeps arrays ``.k`` and ``.v`` of
+shape (B, H, T, 80).
 
 Upstream, ``update_and_fetch`` trims to the window *before* attention, so in a prefill
 longer than W the early queries see no keys (NaN rows), and chunked prefill past the
@@ -30,6 +31,7 @@ import mlx.nn as nn
 
 from .attention import attention_from_codes, positions_mask, reference_attention
 from .cache import TurboQuantRotatingKVCache
+from .cache_base import CacheBase
 from .checks import check_int
 from .codes import CodesView
 from .codecs.base import Codec
@@ -37,7 +39,7 @@ from .codecs.fibquant import FibQuant
 from .codecs.scalar import TurboQuantMSE
 from .codecs.spec import CodecSpec, codec_for
 
-__all__ = ["SWAConfig", "BIT_AXON", "SMALL", "KVCache", "SWAttention", "QuantizedSWACache", "TurboQuant",
+__all__ = ["SWAConfig", "BIT_AXON", "SMALL", "ExactSWACache", "SWAttention", "QuantizedSWACache", "TurboQuant",
            "full_sequence_attention", "window_attention"]
 
 
@@ -61,9 +63,10 @@ BIT_AXON = SWAConfig()
 SMALL = SWAConfig(hidden=256, n_heads=4, head_dim=64, window=64, chunk=16, n_layers=1)
 
 
-class KVCache:
-    """Bit-Axon's cache API (``.k``, ``.v`` (B, H, T, D), ``window_size``), made exact:
-    ``update_and_fetch`` returns previous + new keys for attention, then keeps the last W."""
+class ExactSWACache(CacheBase):
+    """Bit-Axon's cache (upstream ``KVCache``: ``.k``, ``.v`` (B, H, T, D), ``window_size``),
+    made exact: ``update_and_fetch`` returns previous + new keys for attention, then keeps
+    the last W."""
 
     def __init__(self, window_size: int):
         self.window_size = check_int("window_size", window_size, 1)
@@ -77,9 +80,21 @@ class KVCache:
         self.offset += xk.shape[2]
         return k, v
 
+    def size(self) -> int:
+        return min(self.offset, self.window_size)
+
     @property
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+
+class KVCache(ExactSWACache):
+    """Deprecated name of ``ExactSWACache`` (it shadowed mlx-lm's ``KVCache``)."""
+
+    def __init__(self, window_size: int):
+        from .checks import deprecated
+        deprecated("bitaxon.KVCache", "bitaxon.ExactSWACache")
+        super().__init__(window_size)
 
 
 class QuantizedSWACache:
@@ -126,13 +141,13 @@ class QuantizedSWACache:
         """Encode the new tokens; return ``CodesView`` objects of the last W − 1 held tokens plus
         the new ones (temporal order); then compact the ring to W slots."""
         self.ring.update_and_fetch(xk, xv)       # lazy: the dequantized return is never computed
-        views = self.ring.ordered_codes()
+        views = self.ring.codes()
         self.ring.compact()
         return views
 
     def codes(self):
         """The held tokens (at most W) as (keys, values) ``CodesView`` objects, oldest first."""
-        return self.ring.ordered_codes()
+        return self.ring.codes()
 
     @property
     def nbytes(self) -> int:
@@ -221,7 +236,7 @@ def full_sequence_attention(layer: SWAttention, x: mx.array) -> mx.array:
 
 class TurboQuant:
     """The plan's API: ``TurboQuant(payload_bits=4)`` then ``compress(kv_cache)`` → a
-    ``QuantizedSWACache`` and ``decompress(qcache)`` → a ``KVCache``.
+    ``QuantizedSWACache`` and ``decompress(qcache)`` → an ``ExactSWACache``.
 
     ``payload_bits`` are stored index bits per coordinate, without the fp16 norm (so 4 →
     4 + 16/D bits per coordinate); ``make_prompt_cache(bits=)`` is a different thing, a
@@ -250,18 +265,18 @@ class TurboQuant:
             return TurboQuantMSE(head_dim, int(self.payload_bits), seed=self.seed)
         return FibQuant(head_dim, k=2, bits=float(self.payload_bits), seed=self.seed)
 
-    def compress(self, kv_cache: KVCache) -> QuantizedSWACache:
-        if not isinstance(kv_cache, KVCache):
-            raise TypeError(f"compress takes a bitaxon.KVCache, got {type(kv_cache).__name__}")
+    def compress(self, kv_cache: ExactSWACache) -> QuantizedSWACache:
+        if not isinstance(kv_cache, ExactSWACache):
+            raise TypeError(f"compress takes a bitaxon.ExactSWACache, got {type(kv_cache).__name__}")
         if kv_cache.k is None:
             raise ValueError("cannot compress an empty cache")
         return QuantizedSWACache.from_tokens(kv_cache.window_size, kv_cache.k, kv_cache.v, kv_cache.offset,
                                              self.codec(kv_cache.k.shape[-1]))
 
-    def decompress(self, qcache: QuantizedSWACache) -> KVCache:
+    def decompress(self, qcache: QuantizedSWACache) -> ExactSWACache:
         if not isinstance(qcache, QuantizedSWACache):
             raise TypeError(f"decompress takes a QuantizedSWACache, got {type(qcache).__name__}")
-        out = KVCache(qcache.window_size)
+        out = ExactSWACache(qcache.window_size)
         out.offset = qcache.offset
         if not qcache.ring.empty() and qcache.offset:
             kv, vv = qcache.codes()

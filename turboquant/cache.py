@@ -26,11 +26,12 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
+from .cache_base import CacheBase, protocol_mask
 from .checks import check_int
 from .codecs.base import Codec
 from .codes import CodeBuffer, CodesView
 
-__all__ = ["CodeBuffer", "CodesView", "TurboQuantKVCache", "TurboQuantRotatingKVCache", "causal_mask", "codes_mode",
+__all__ = ["CodeBuffer", "CodesView", "TurboQuantKVCache", "TurboQuantRotatingKVCache", "tag_group", "codes_mode",
            "returning_codes"]
 
 # Set by turboquant.attention.codes_attention: caches then return CodesView, not K/V. A depth
@@ -55,11 +56,10 @@ def _append(old: Optional[mx.array], new: mx.array) -> mx.array:
 
 
 def causal_mask(N: int, offset: int, return_array: bool = False, window_size: Optional[int] = None):
-    """The mask of a plain (non-rotating) cache holding ``offset`` tokens for ``N`` new
-    queries, as mlx-lm's ``KVCache.make_mask`` gives it."""
-    if window_size is not None or return_array:
-        return create_causal_mask(N, offset, window_size=window_size)
-    return None if N == 1 else "causal"
+    """Deprecated name of ``cache_base.protocol_mask``."""
+    from .checks import deprecated
+    deprecated("cache.causal_mask", "cache_base.protocol_mask")
+    return protocol_mask(N, offset, return_array, window_size)
 
 
 FIT_TOKENS = 16   # a learning codec is fitted on this many tokens after the sinks
@@ -80,7 +80,7 @@ def _copy_array(a):
     return None if a is None else mx.array(a)
 
 
-class TurboQuantKVCache:
+class TurboQuantKVCache(CacheBase):
     """A KV cache of codes: ``TurboQuantKVCache(key_codec, value_codec=None, fp_window=0,
     sink_tokens=0)``.
 
@@ -126,7 +126,7 @@ class TurboQuantKVCache:
         exact where held exactly — or None while empty: what mlx-lm's ``KVCache.keys[...,
         :offset, :]`` holds. A view, computed (lazily) on each read; the cache stores only
         codes (``key_codes``, a ``CodeBuffer``)."""
-        return None if self.key_codes is None else self.codes()[0].dequantize()
+        return None if self.key_codes is None else self.ring_codes()[0].dequantize()
 
     @keys.setter
     def keys(self, value) -> None:
@@ -135,7 +135,7 @@ class TurboQuantKVCache:
     @property
     def values(self) -> Optional[mx.array]:
         """A view like ``keys``, of the held values (B, H_kv, T, D); the codes are ``value_codes``."""
-        return None if self.value_codes is None else self.codes()[1].dequantize()
+        return None if self.value_codes is None else self.ring_codes()[1].dequantize()
 
     @values.setter
     def values(self, value) -> None:
@@ -339,11 +339,33 @@ class TurboQuantKVCache:
         return k.dequantize(), v.dequantize()
 
     def codes(self):
-        """The held tokens as (keys, values) ``CodesView`` objects, in the order attention reads
-        them (what ``update_and_fetch`` returns under ``codes_attention``)."""
+        """The held tokens as (keys, values) ``CodesView`` objects in temporal order, oldest
+        first (in every cache of the package; for a plain cache also the order attention
+        reads them)."""
+        return self.ring_codes()
+
+    def ring_codes(self):
+        """The held tokens as (keys, values) ``CodesView`` objects in the order attention reads
+        them (what ``update_and_fetch`` returns under ``codes_attention``; a rotating cache's
+        ring order after single-token steps, as mlx-lm's ``RotatingKVCache.keys``)."""
         if self.key_codes is None:
             raise ValueError("the cache is empty: no codes yet")
         return self._fetch_views(*self._held())
+
+    @classmethod
+    def from_kv(cls, keys: mx.array, values: mx.array, key_codec: Codec, value_codec: Optional[Codec] = None, *,
+                offset: Optional[int] = None, fp_window: int = 0, sink_tokens: int = 0) -> "TurboQuantKVCache":
+        """A cache holding ``keys``/``values`` (B, H, T, D), the last T of ``offset`` tokens
+        (default T), encoded as if they had come in one update (``to_turboquant`` converts
+        mlx-lm caches with it)."""
+        T = keys.shape[2] if isinstance(keys, mx.array) and keys.ndim == 4 else None
+        if T is None:
+            raise ValueError(f"keys must be a (B, H, T, D) mx.array, got {getattr(keys, 'shape', keys)!r}")
+        offset = T if offset is None else check_int("offset", offset, T)
+        cache = cls(key_codec, value_codec, fp_window=fp_window, sink_tokens=sink_tokens)
+        cache.offset = offset - T
+        cache.update_and_fetch(keys, values)
+        return cache
 
     def _held(self) -> tuple[CodeBuffer, CodeBuffer]:
         """The key and value buffers of the held tokens."""
@@ -353,9 +375,6 @@ class TurboQuantKVCache:
         k = CodesView(self.key_codec, kbuf, self.dtype, self.recent_keys, self.sink_keys)
         v = CodesView(self.value_codec, vbuf, self.dtype, self.recent_values, self.sink_values)
         return k, v
-
-    def size(self) -> int:
-        return self.offset
 
     def empty(self) -> bool:
         return self.key_codes is None
@@ -402,9 +421,6 @@ class TurboQuantKVCache:
             acc += chunks[-1]
         n = min(total, w["fit_from"] + self.fit_tokens)
         w.update(chunks=chunks, k=w["k"][..., :n, :] if n else None, v=w["v"][..., :n, :] if n else None)
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        return causal_mask(N, self.offset, return_array, window_size)
 
     @property
     def nbytes(self) -> int:
@@ -584,14 +600,37 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
         cache.compact()
         return cache
 
-    def ordered_codes(self):
-        """The held tokens as (keys, values) ``CodesView`` objects in temporal order, oldest first
-        (``codes()`` gives them in the order attention reads them, which after single-token
-        steps is ring order)."""
+    @classmethod
+    def from_ring(cls, keys: mx.array, values: mx.array, key_codec: Codec, value_codec: Optional[Codec] = None, *,
+                  max_size: int, keep: int, offset: int, idx: int) -> "TurboQuantRotatingKVCache":
+        """The codes of an mlx-lm ``RotatingKVCache``'s buffer: ``keys``/``values`` (B, H, n, D)
+        in its ring order, with its ``offset`` and write position ``idx`` (the same ring
+        layout, so the next update evicts what mlx-lm's would). A codec that learns is
+        fitted on the first ``fit_tokens`` slots of the ring (``to_turboquant``)."""
+        cache = cls(max_size, key_codec, value_codec, keep=keep)
+        cache._check(keys, values)
+        for codec, x in ((cache.key_codec, keys), (cache.value_codec, values)):
+            if not _fitted(codec):
+                codec.fit(x[..., :cache.fit_tokens, :])
+        cache.key_codes, cache.value_codes = cache._encode(keys, values)
+        cache.offset = check_int("offset", offset, 0)
+        cache._idx = check_int("idx", idx, 0, keys.shape[2])
+        return cache
+
+    def codes(self):
+        """The held tokens as (keys, values) ``CodesView`` objects in temporal order, oldest
+        first (``ring_codes()`` gives them in the order attention reads them, which after
+        single-token steps is ring order)."""
         if self.key_codes is None:
             raise ValueError("the cache is empty: no codes yet")
         k, v = self._held()
         return self._fetch_views(self._temporal_order(k), self._temporal_order(v))
+
+    def ordered_codes(self):
+        """Deprecated name of ``codes()`` (temporal order in every cache)."""
+        from .checks import deprecated
+        deprecated("TurboQuantRotatingKVCache.ordered_codes()", "codes()")
+        return self.codes()
 
     def compact(self) -> None:
         """Drop what no later step can see: keep at most ``max_size`` tokens (the ``keep``
@@ -703,3 +742,13 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
     def meta_state(self, m):
         TurboQuantKVCache.meta_state.fset(self, m)
         self.max_size, self.keep, self._idx = int(m["max_size"]), int(m["keep"]), int(m["idx"])
+
+
+def tag_group(cache: list) -> list:
+    """Tell each TurboQuant cache the length of its list (``codes_attention`` checks it
+    against the model's layers) and the group it belongs to (a failed forward pass marks the
+    whole group unusable: ``TurboQuantKVCache.update_and_fetch``)."""
+    group = {"caches": [c for c in cache if isinstance(c, TurboQuantKVCache)], "broken": None}
+    for i, c in enumerate(group["caches"]):
+        c.n_layers, c.group, c.group_index = len(cache), group, i
+    return cache

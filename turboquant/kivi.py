@@ -22,11 +22,10 @@ reaches R; here the oldest complete group leaves once R + G tokens are waiting).
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import mlx.core as mx
 
-from .cache import causal_mask
+from .cache_base import CacheBase
 from .checks import check_int
 from .codecs.base import FP16_MAX
 
@@ -40,7 +39,7 @@ def _cat(old, new, axis):
     return new if old is None else mx.concatenate([old, new], axis=axis)
 
 
-class KIVICache:
+class KIVICache(CacheBase):
     """KIVICache(bits, group=32, residual=32, value_group=64): mlx-lm's cache protocol
     (``offset``, ``update_and_fetch``, ``make_mask``, ``nbytes``, ``empty``, ``size``);
     keys and values (B, H, T, D). Not trimmable and not saved (a comparison baseline). Its bit
@@ -93,18 +92,6 @@ class KIVICache:
             vd = mx.dequantize(*self.vq, group_size=self.value_group, bits=self.n_bits)
             k, v = mx.concatenate([kd, k], axis=2), mx.concatenate([vd, v], axis=2)
         return k.astype(self.dtype), v.astype(self.dtype)
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        return causal_mask(N, self.offset, return_array, window_size)
-
-    def size(self) -> int:
-        return self.offset
-
-    def empty(self) -> bool:
-        return self.offset == 0
-
-    def is_trimmable(self) -> bool:
-        return False
 
     @property
     def state(self):

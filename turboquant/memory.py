@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "Layer", "AttentionGeometry", "PRESETS", "kv_bytes", "kv_cache_bytes", "cached_tokens",
-    "held_tokens", "fp16_cache_bytes", "measured_bits",
+    "held_tokens", "fp16_cache_bytes", "measured_bits", "check_layers",
     "affine_side_bits", "NORM_SIDE_BITS", "bits_per_coordinate", "geometry_from_model", "cache_count",
     "model_geometry", "model_fingerprint", "describe_model",
 ]
@@ -277,3 +277,11 @@ def describe_model(fp: dict) -> str:
     """A model fingerprint in words (for error messages)."""
     return (f"{fp.get('architecture')} with {fp.get('layers')} layers, {fp.get('kv_heads')} kv heads of "
             f"{fp.get('head_dim')} (weights {fp.get('weights_sha256')})")
+
+
+def check_layers(cache: list, model) -> None:
+    """Raise unless ``cache`` has one entry per cache ``model`` takes (mlx-lm zips layers and
+    caches, so a shorter list silently runs the model without its last layers)."""
+    n = cache_count(model)
+    if len(cache) != n:
+        raise ValueError(f"the prompt cache has {len(cache)} layers, the model has {n}")

@@ -179,6 +179,12 @@ class Codec:
             return mx.clip(x, -FP16_MAX, FP16_MAX).astype(mx.float16)
         return self._decode(code)
 
+    def validate_code(self, fields: dict) -> None:
+        """Raise ``ValueError`` when code fields of the right shapes and dtypes (e.g. read from
+        a file) still hold values this codec never writes and could not decode safely. The
+        default: every value is decodable. (The file loader checks shapes and dtypes, then
+        asks the codec: it knows no codec's internals.)"""
+
     def _encode(self, x: mx.array) -> Code:  # pragma: no cover - interface
         raise NotImplementedError
 

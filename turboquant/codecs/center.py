@@ -128,6 +128,9 @@ class Centered(Codec):
         """The same arrays as a code of the inner codec (for attention from codes)."""
         return Code(code.arrays, code.shape, mx.float32, self.inner.config())
 
+    def validate_code(self, fields: dict) -> None:
+        self.inner.validate_code(fields)
+
     def _decode(self, code: Code) -> mx.array:
         x = self.inner.decode(self.inner_code(code)).astype(mx.float32)
         return (x + self.broadcast_mean(x.ndim)).astype(code.dtype)

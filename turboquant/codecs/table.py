@@ -186,6 +186,16 @@ class RotatedTable(Codec):
         idx = self.indices(code)
         return mx.take(self.codewords, idx, axis=0).reshape(*idx.shape[:-1], self.dim)
 
+    def validate_code(self, fields: dict) -> None:
+        """A codebook whose size is not a power of two leaves index values unused: a code
+        naming one would index past the table."""
+        if self.n_codewords == 1 << self.index_bits or "idx" not in fields:
+            return
+        idx = unpack(fields["idx"], self.index_bits, self.dim // self.k)
+        top = mx.max(idx).item() if idx.size else 0
+        if top >= self.n_codewords:
+            raise ValueError(f"idx names codeword {top}, the codebook has {self.n_codewords}")
+
     def _decode(self, code: Code) -> mx.array:
         x = self.rotation.invert(self.decode_rotated(code)) * code["norm"].astype(mx.float32)
         return x.astype(code.dtype)

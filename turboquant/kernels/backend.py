@@ -170,7 +170,7 @@ class LaunchBackend(Backend):
     def self_check(self) -> str | None:
         """Run the three kernels on small random inputs for a scalar and a vector codec and
         compare with the mx path: None when they agree, else what differed."""
-        from .select import use
+        from .context import use
         cases = ({"codec": "turboquant_mse", "dim": 64, "bits": 3},              # small: quick to build
                  {"codec": "fibquant", "dim": 64, "k": 2, "n_codewords": 8})
         for codec in map(from_config, cases):

@@ -311,7 +311,7 @@ def self_check(backend: CpuKernels) -> str | None:
     dedicated path for (scalar 1–4 and 8 bits, FibQuant with 8-bit and other indices,
     grouped heads, a view sliced along T): None when they agree, else what differed."""
     from ..codecs import FibQuant, TurboQuantMSE
-    from .select import use
+    from .context import use
     with use(None):                                          # the reference: the mx path
         return _check(backend, FibQuant, TurboQuantMSE)
 

@@ -8,21 +8,17 @@ emulation, ``emulation_backend``). Every back-end is adopted only after its
 """
 from __future__ import annotations
 
-import contextvars
 import os
 import warnings
-from contextlib import contextmanager
 from functools import lru_cache
 
 import mlx.core as mx
 
+from .context import AUTO, forced, use
+
 __all__ = ["active", "use", "why", "backend_name", "env_mode", "adopt", "gpu_backend",
            "cpu_kernels_backend", "emulation_backend", "emulated"]
 
-# A back-end forced by ``use()`` in this context (thread or task); _AUTO: choose by the
-# environment. A ContextVar, so a ``use`` block in one thread does not switch another's.
-_AUTO = object()
-_forced: contextvars.ContextVar = contextvars.ContextVar("turboquant_kernels", default=_AUTO)
 _MODES = ("auto", "1", "0", "cpp")
 _WHY = {}
 
@@ -121,9 +117,8 @@ def active():
     """The back-end the package uses now: a forced one (``use``), else by
     ``TURBOQUANT_KERNELS`` (``env_mode``): "auto" the GPU's if mlx has one, else the CPU
     kernels; "0" none; "cpp" the emulation. None means the mx-operations path."""
-    forced = _forced.get()
-    if forced is not _AUTO:
-        return forced
+    if forced() is not AUTO:
+        return forced()
     mode = env_mode()
     if mode == "0":
         return None
@@ -135,8 +130,7 @@ def active():
 
 def why() -> str:
     """Why the active back-end is the one it is, in one sentence."""
-    forced = _forced.get()
-    if forced is not _AUTO:
+    if forced() is not AUTO:
         return "forced by kernels.use()"
     mode = env_mode()
     if mode == "0":
@@ -154,14 +148,3 @@ def backend_name() -> str:
     """"metal", "cuda", "cpu", "cpp" or "mx" (no kernels)."""
     b = active()
     return "mx" if b is None else b.name
-
-
-@contextmanager
-def use(backend):
-    """Force a back-end inside the block (this thread or task only): ``use(None)`` for the
-    mx path, ``use(emulated())`` for the emulation."""
-    token = _forced.set(backend)
-    try:
-        yield backend
-    finally:
-        _forced.reset(token)
