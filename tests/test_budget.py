@@ -44,7 +44,7 @@ def test_calibrated_bits_are_the_fitted_coders_own(bits, outliers, uniform):
     """A calibrated configuration's bits (profiles' ``Choice.bits``, the suite's calibrated
     rows) are known before fitting, and equal what the fitted coder reports."""
     import numpy as np
-    from turboquant.calibrated import Choice
+    from turboquant.calibration import Choice
     from turboquant.codecs.transform import TransformCoder
     from turboquant.suite import Config
     x = np.random.default_rng(0).standard_normal((2, 256, 16))

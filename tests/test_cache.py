@@ -286,7 +286,7 @@ def test_attention_from_codes_equals_dequantize_then_sdpa(kc, vc, fp_window, sin
 
 
 def test_top1_agreement_is_one_for_pass_through_and_lower_for_one_bit(llama):
-    from turboquant.eval import top1_agreement
+    from turboquant.evaluation import top1_agreement
     prompt, cont = tokens(40, seed=8), tokens(30, seed=9)
     same = top1_agreement(llama, prompt, cont, lambda: make_prompt_cache(llama, key_codec=lambda d: Identity(d)))
     assert same == 1.0

@@ -1,4 +1,4 @@
-"""Calibrated caches and profiles (``turboquant.calibrate``), on a tiny random model."""
+"""Calibrated caches and profiles (``turboquant.calibration``), on a tiny random model."""
 import json
 
 import mlx.core as mx
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import turboquant as tq
-from turboquant import calibrate as cal
+from turboquant import calibration as cal
 from turboquant.codecs import Centered
 from turboquant.codecs.transform import TransformCoder
 from turboquant.models import ByteTokenizer, tiny_model
@@ -35,7 +35,7 @@ def test_statistics_leave_out_the_sink_and_group_the_queries(model):
     assert m.shape == (2, 16, 16) and np.allclose(m, np.swapaxes(m, 1, 2))
     assert np.linalg.eigvalsh(m).min() > -1e-9
     # kv head h is read by query heads 2h and 2h+1 (grouped-query attention: contiguous groups)
-    from turboquant.eval import capture_qkv
+    from turboquant.evaluation import capture_qkv
     q = np.concatenate([np.array(capture_qkv(model, ids[w * 512:(w + 1) * 512])[0]["q"][0, :, 1:])
                         for w in range(2)], axis=1).astype(np.float64)             # (4, N, 16)
     for h in range(2):
@@ -155,7 +155,7 @@ def test_a_budget_without_candidates_is_refused(model):
 
 def test_fitted_coders_are_kept_on_disk_and_a_damaged_file_is_refitted(model, profile, tmp_path, monkeypatch):
     """Issue #26.8: every process refitted the profile (minutes on the real models)."""
-    import turboquant.calibrated as fitted
+    import turboquant.calibration.store as fitted
     monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
     cal.clear_memo()
     keys, values, _, _ = cal.profile_codecs(model, profile, 4.25)

@@ -7,7 +7,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 from turboquant import make_prompt_cache, memory
 from turboquant.codecs import Identity, TurboQuantMSE
 from turboquant.data import load_text
-from turboquant.eval import bos_id, encode_text, perplexity
+from turboquant.evaluation import bos_id, encode_text, perplexity
 from turboquant.models import MODELS, load
 
 

@@ -8,7 +8,7 @@ from turboquant.cache import FIT_TOKENS
 from turboquant.codecs import Centered, Identity, TurboQuantMSE
 from turboquant.convert import unpermute_qk
 from turboquant.data import load_text
-from turboquant.eval import (capture_qkv, encode_text, layer_fidelity, needle_prompt,
+from turboquant.evaluation import (capture_qkv, encode_text, layer_fidelity, needle_prompt,
                              perplexity)
 from turboquant.models import load_default
 
@@ -138,7 +138,7 @@ def test_measured_bits_count_every_byte_of_the_tokens_held(smol):
 
 def test_bitaxon_ring_on_real_keys(smol, wiki):
     """Chapter 8's measurement, smaller: a prefill of 4 windows through the ring of codes."""
-    from turboquant.eval import ring_fidelity
+    from turboquant.bitaxon import ring_fidelity
     cap = capture_qkv(smol[0], wiki[:512])[::6]                       # 5 of the 30 layers
     exact = ring_fidelity(cap, lambda d: Identity(d), window=128, chunk=64)
     assert all(f["rel_error"] < 1e-5 for f in exact)                  # pass-through ring = exact window
@@ -151,7 +151,7 @@ def test_bitaxon_ring_on_real_keys(smol, wiki):
 
 
 def test_needle_values_are_distinct_and_extend_chapter_9s():
-    from turboquant.eval import NEEDLE_VALUES, needle_values
+    from turboquant.evaluation import NEEDLE_VALUES, needle_values
     v = needle_values(21)
     assert len(set(v)) == 21 and v[:4] == NEEDLE_VALUES and all(len(x) == 4 and x.isdigit() for x in v)
     assert needle_values(21) == v and needle_values(2) == NEEDLE_VALUES[:2]

@@ -13,12 +13,13 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 
-__all__ = ["reference_attention", "causal_mask", "positions_mask", "cosine_similarity", "relative_error",
+__all__ = ["reference_attention", "repeat_kv", "causal_mask", "positions_mask", "cosine_similarity", "relative_error",
            "attention_fidelity",
            "attention_from_codes", "codes_attention", "patch_attention", "output_fidelity"]
 
 
-def _repeat_kv(x: mx.array, n_heads: int) -> mx.array:
+def repeat_kv(x: mx.array, n_heads: int) -> mx.array:
+    """(B, H_kv, T, D) → (B, n_heads, T, D): each kv head repeated for its query heads (GQA)."""
     B, H_kv, T, D = x.shape
     if n_heads == H_kv:
         return x
@@ -40,7 +41,7 @@ def reference_attention(q: mx.array, k: mx.array, v: mx.array, scale: float | No
     mask = _causal(mask, q.shape[2], k.shape[2])
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     H = q.shape[1]
-    k, v = _repeat_kv(k.astype(mx.float32), H), _repeat_kv(v.astype(mx.float32), H)
+    k, v = repeat_kv(k.astype(mx.float32), H), repeat_kv(v.astype(mx.float32), H)
     scores = (q.astype(mx.float32) * scale) @ mx.swapaxes(k, -1, -2)        # (B, H, Tq, T)
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
@@ -71,7 +72,7 @@ def attention_fidelity(q: mx.array, k: mx.array, v: mx.array, k_hat: mx.array,
     approx = reference_attention(q, k_hat, v if v_hat is None else v_hat, scale, mask)
     s = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     H = q.shape[1]
-    ds = (q.astype(mx.float32) * s) @ mx.swapaxes(_repeat_kv((k_hat - k).astype(mx.float32), H), -1, -2)
+    ds = (q.astype(mx.float32) * s) @ mx.swapaxes(repeat_kv((k_hat - k).astype(mx.float32), H), -1, -2)
     return output_fidelity(approx, exact) | {"score_rmse": mx.sqrt(mx.mean(ds * ds)).item()}
 
 

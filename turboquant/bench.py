@@ -215,7 +215,7 @@ def generation_run(model: str = "smollm2-135m", context: int = 8192, new_tokens:
     from .budget import codecs_for
     from .codecs.scalar import TurboQuantMSE
     from .data import load_text
-    from .eval import encode_text
+    from .evaluation import encode_text
     from .memory import cache_count
     from .models import load
     from .prompt_cache import make_prompt_cache

@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,7 +40,7 @@ from .codecs.scalar import TurboQuantMSE
 from .codecs.spec import CodecSpec, codec_for
 
 __all__ = ["SWAConfig", "BIT_AXON", "SMALL", "ExactSWACache", "SWAttention", "QuantizedSWACache", "TurboQuant",
-           "full_sequence_attention", "window_attention"]
+           "full_sequence_attention", "window_attention", "ring_fidelity"]
 
 
 @dataclass(frozen=True)
@@ -282,3 +282,22 @@ class TurboQuant:
             kv, vv = qcache.codes()
             out.k, out.v = kv.dequantize(), vv.dequantize()
         return out
+
+
+def ring_fidelity(captured: list[dict], codec: Callable[[int], Codec], window: int, chunk: int = 512,
+                  value_codec: Optional[Callable[[int], Codec]] = None) -> list[dict]:
+    """Per layer of a real model: the window attention of its captured queries, keys and
+    values (``turboquant.evaluation.capture_qkv``; one prefill, so it runs past the window) through
+    a ``QuantizedSWACache`` (keys with ``codec(D)``, values with ``value_codec`` or the same)
+    against the same attention on exact keys and values. Returns per layer {"cos_mean",
+    "cos_min", "rel_error"} over every query row and head."""
+    from .attention import output_fidelity
+    out = []
+    for layer in captured:
+        q, k, v, scale = layer["q"], layer["k"], layer["v"], layer["scale"]
+        D = k.shape[-1]
+        ring = QuantizedSWACache(window, codec(D), None if value_codec is None else value_codec(D))
+        approx = window_attention(q, k, v, ring, window, chunk, scale)
+        exact = window_attention(q, k, v, None, window, chunk, scale)
+        out.append(output_fidelity(approx, exact))
+    return out

@@ -155,7 +155,7 @@ def _cache_arguments(p) -> None:
 
 
 def _calibrate(args) -> int:
-    from .calibrate import calibrate, profile_path, save_profile
+    from .calibration import calibrate, profile_path, save_profile
     from .models import load
     bad = [b for b in args.budgets if not 0 < b <= 8]
     if bad:

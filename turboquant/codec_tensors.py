@@ -10,7 +10,7 @@ equal arrays (the same coder used by several layers, keys and values) are stored
 round-trip through ``tolist``) — so ``from_config`` rebuilds the same codec.
 
 Used by cache files (``save_prompt_cache``) and by the on-disk store of fitted profile
-coders (``turboquant.calibrated``).
+coders (``turboquant.calibration``).
 """
 from __future__ import annotations
 

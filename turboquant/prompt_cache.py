@@ -26,7 +26,7 @@ def _head_dim(model) -> int:
 
 def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, model=None, profile=None):
     """(key codec spec(s), value codec spec(s), sink tokens) for a budget of ``bits``: from the
-    model's calibrated profile when there is one (``turboquant.calibrate``: one codec per
+    model's calibrated profile when there is one (``turboquant.calibration``: one codec per
     layer), else the best uncalibrated configuration measured in Chapter 9
     (``turboquant.budget``). ``bits`` excludes explicit codecs and sinks."""
     from .budget import codecs_for, pick
@@ -37,14 +37,15 @@ def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, mod
     if bits != bits or bits <= 0:
         raise ValueError(f"bits must be a positive number of bits per coordinate, got {bits!r}")
     if model is not None and profile is not False:
-        from . import calibrated as calibrate
+        from .calibration.profiles import find_profile, load_profile
+        from .calibration.store import profile_codecs
         prof = profile
         if isinstance(prof, (str, os.PathLike)):
-            prof = calibrate.load_profile(prof)
+            prof = load_profile(prof)
         elif prof is None:
-            prof = calibrate.find_profile(model)
+            prof = find_profile(model)
         if prof is not None:
-            keys, values, sinks, _ = calibrate.profile_codecs(model, prof, bits)
+            keys, values, sinks, _ = profile_codecs(model, prof, bits)
             return keys, values, sinks
     choice = pick(bits, dim)
     return (*codecs_for(choice), choice.sink_tokens)
@@ -89,7 +90,7 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     layer), e.g. codecs calibrated per layer.
 
     ``bits`` asks for a memory budget instead of codecs. With a calibrated profile for this
-    model (``profile``: a profile dict or path; None: the one ``turboquant.calibrate.find_profile``
+    model (``profile``: a profile dict or path; None: the one ``turboquant.calibration.find_profile``
     finds — the installed models ship one; False: do not use profiles), the profile's best
     measured configuration within ``bits`` (transform coders per layer, fitted on the
     profile's calibration text; Chapter 10). Without one, the best uncalibrated configuration

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from . import eval as tqeval
+from . import evaluation as tqeval
 from .budget import BUDGETS, best_within, codecs_for
 from .codecs import AffineCodec, FibQuant, OutlierSplit, PolarQuant, TurboQuantProd
 from .data import load_text
@@ -47,15 +47,15 @@ class Config:
         return self.calibrated is not None
 
     def make_cache(self, model, stats=None) -> Optional[Callable[[], list]]:
-        """A zero-argument cache factory for ``turboquant.eval`` (None: fp32 KVCache).
-        ``stats``: ``turboquant.calibrate.capture_statistics`` of the calibration text, for
+        """A zero-argument cache factory for ``turboquant.evaluation`` (None: fp32 KVCache).
+        ``stats``: ``turboquant.calibration.capture_statistics`` of the calibration text, for
         calibrated configurations."""
         if self.kivi is not None:
             from .kivi import KIVICache
             n = len(model.layers)
             return lambda: [KIVICache(*self.kivi) for _ in range(n)]
         if self.calibrated is not None:
-            from .calibrate import fit_layers
+            from .calibration import fit_layers
             if stats is None:
                 raise ValueError("a calibrated configuration needs calibration statistics")
             keys, values = fit_layers(stats, **self.calibrated)
@@ -204,7 +204,7 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
                          f"corpus (corpus={corpus!r})")
     profiled = [n for n in names if CONFIGS[n].profile_bits is not None]
     if profiled:
-        from .calibrated import find_profile
+        from .calibration import find_profile
         prof = find_profile(model)
         if prof is None:
             raise ValueError(f"{profiled} need a profile for this model: run `turboquant calibrate` first")
@@ -219,7 +219,7 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
     D = _dims(model)
     stats = None
     if calibrated:
-        from .calibrate import WINDOW, capture_statistics
+        from .calibration import WINDOW, capture_statistics
         cal = tqeval.encode_text(tokenizer, load_text(calibration_corpus), calibration_windows * WINDOW)
         stats = capture_statistics(model, cal, bos=bos)
     results, start = {}, time.time()
@@ -279,7 +279,7 @@ def mse_config(key_bits: Optional[int] = None, value_bits: Optional[int] = None,
                sink_tokens: int = 0) -> Config:
     """A TurboQuant_mse configuration: ``key_bits``/``value_bits`` (None: kept exactly, the
     ``Identity`` codec), keys optionally ``Centered``, ``sink_tokens`` exact leading tokens.
-    ``mse_config(4, 4, True, 1).make_cache(model)`` is a cache factory for ``turboquant.eval``.
+    ``mse_config(4, 4, True, 1).make_cache(model)`` is a cache factory for ``turboquant.evaluation``.
     Codecs from ``budget.codecs_for`` (values rotated with seed 1, keys with seed 0)."""
     k, v = codecs_for(key_bits, value_bits, center_keys)
     return Config("TQ-mse", key=k, value=v, sink_tokens=sink_tokens)

@@ -1,0 +1,20 @@
+"""Evaluation through a cache: perplexity, attention fidelity per layer, needle retrieval,
+greedy top-1 agreement (Chapters 7 and 9). One module per idea: ``text`` (token ids),
+``prefill`` (the one prefill loop), ``perplexity``, ``agreement``, ``fidelity``, ``needle``.
+
+Every function takes ``make_cache``: a zero-argument callable returning a fresh prompt
+cache (a list, one entry per layer), or None for mlx-lm's full-precision ``KVCache``. The
+cache is *in* the computation: text is prefilled through it in chunks, so later chunks
+attend to compressed keys and values (``mlx_lm.perplexity`` calls the model without a
+cache and cannot see KV compression).
+"""
+from .agreement import greedy_agreement, top1_agreement
+from .fidelity import capture_qkv, key_statistics, layer_fidelity, recording
+from .needle import NEEDLE, NEEDLE_VALUES, QUESTION, needle_accuracy, needle_prompt, needle_values
+from .perplexity import perplexity
+from .prefill import MakeCache, fresh_cache, greedy, prefill, prefill_logits
+from .text import bos_id, encode_text
+
+__all__ = ["encode_text", "bos_id", "perplexity", "capture_qkv", "layer_fidelity", "key_statistics", "recording",
+           "needle_prompt", "needle_accuracy", "needle_values", "NEEDLE", "QUESTION", "NEEDLE_VALUES",
+           "top1_agreement", "greedy_agreement", "MakeCache", "fresh_cache", "prefill", "prefill_logits", "greedy"]

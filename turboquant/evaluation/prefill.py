@@ -1,0 +1,47 @@
+"""The one prefill loop of evaluation: text fed through a cache in chunks, so later chunks
+attend to what the cache holds (compressed keys and values). Every measurement —
+perplexity, agreement, needles — prefills through ``prefill``."""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+import mlx.core as mx
+
+__all__ = ["MakeCache", "fresh_cache", "prefill", "prefill_logits", "greedy"]
+
+MakeCache = Optional[Callable[[], list]]
+
+
+def fresh_cache(model, make_cache: MakeCache) -> list:
+    """``make_cache()``, or mlx-lm's full-precision prompt cache when ``make_cache`` is None."""
+    if make_cache is None:
+        from mlx_lm.models.cache import make_prompt_cache
+        return make_prompt_cache(model)
+    return make_cache()
+
+
+def prefill(model, x: mx.array, cache, chunk: int) -> Iterator[tuple[int, mx.array]]:
+    """Feed ``x`` (1, P) through ``cache`` in chunks of ``chunk`` tokens: yields (start of the
+    chunk, its logits (1, c, V) float32)."""
+    for i in range(0, x.shape[1], chunk):
+        yield i, model(x[:, i:i + chunk], cache=cache).astype(mx.float32)
+
+
+def prefill_logits(model, tokens: mx.array, cache, chunk: int) -> mx.array:
+    """All logits (1, P, V) of ``tokens`` (1, P) prefilled through ``cache``."""
+    out = []
+    for _, logits in prefill(model, tokens, cache, chunk):
+        mx.eval(logits)
+        out.append(logits)
+    return mx.concatenate(out, axis=1)
+
+
+def greedy(model, ids: mx.array, cache, n_tokens: int, chunk: int) -> list[int]:
+    """Prefill ``ids`` (1, P) through ``cache`` in chunks, then ``n_tokens`` greedy tokens."""
+    logits = prefill_logits(model, ids, cache, chunk)[:, -1]
+    out = []
+    for _ in range(n_tokens):
+        t = logits.argmax(-1)
+        out.append(t.item())
+        logits = model(t[:, None], cache=cache)[:, -1]
+    return out
