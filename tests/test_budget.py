@@ -46,12 +46,12 @@ def test_calibrated_bits_are_the_fitted_coders_own(bits, outliers, uniform):
     import numpy as np
     from turboquant.calibration import Choice
     from turboquant.codecs.transform import TransformCoder
-    from turboquant.suite import Config
+    from turboquant.suite import Calibrated
     x = np.random.default_rng(0).standard_normal((2, 256, 16))
     fitted = TransformCoder.calibrate(x, bits, outliers=outliers, uniform=uniform)
     assert TransformCoder.bits_for(bits, 16, outliers, uniform) == fitted.bits_per_coordinate
-    cfg = Config("t", calibrated=dict(key_bits=bits, value_bits=bits, outliers=outliers, uniform=uniform))
-    assert cfg.nominal_bits(16) == fitted.bits_per_coordinate
+    cfg = Calibrated("t", fit=dict(key_bits=bits, value_bits=bits, outliers=outliers, uniform=uniform))
+    assert cfg.bits(16) == fitted.bits_per_coordinate
     if not uniform:
         assert Choice(bits, bits, outliers).bits(16) == fitted.bits_per_coordinate
 

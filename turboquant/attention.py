@@ -127,11 +127,6 @@ def _per_head(x: mx.array) -> mx.array:
     return x.astype(mx.float32)[:, :, None]
 
 
-def _norms(code) -> mx.array:
-    """The stored norms as per-token weights (B, H_kv, 1, 1, T)."""
-    return mx.swapaxes(_per_head(code["norm"]), -1, -2)
-
-
 def _mean_scores(qf: mx.array, mu: mx.array) -> mx.array:
     """q·μ for μ (H_kv, D) or (D,): (B, H_kv, R, Tq, 1)."""
     return qf @ mu[:, None, :, None] if mu.ndim == 2 else (qf @ mu)[..., None]
@@ -141,10 +136,11 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     """softmax(q kᵀ·scale) v with K and V read from ``CodesView`` objects: (B, H, Tq, D).
 
     A codec that offers the query-table protocol (``query_table``/``weighted_sum``: the
-    rotated-table codecs, TurboQuant_mse and FibQuant) is read without decoding: the query
-    is rotated once, scores are ν_t·⟨Πq, c[i_t]⟩ from its query table, the value side is
-    Σ_t p_t ν_t c[i_t] in the rotated frame, and one inverse rotation ends it (fused kernels,
-    when active, sit behind the protocol). Other codecs are decoded. A codec that stores
+    rotated-table codecs, TurboQuant_mse and FibQuant) is read without decoding: its query
+    table gives the scores ⟨q, x̂_t⟩ and its weighted sum Σ_t p_t x̂_t, both in the model's
+    frame (inside, the query is rotated once, scores are ν_t·⟨Πq, c[i_t]⟩, the value side is
+    summed in the rotated frame and rotated back once; fused kernels, when active, sit
+    behind the protocol). Other codecs are decoded. A codec that stores
     x − μ (``Centered``, through ``attention_view``) gets μ back exactly: q·μ added to the
     coded scores, μ times the coded softmax mass added to the output. Exact sink (first S)
     and recent tokens enter as such. Equal to dequantize-then-attend up to float rounding.
@@ -162,7 +158,7 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     if fused is not None:
         return fused.reshape(B, H, Tq, D).astype(q.dtype)
     if hasattr(kc, "query_table"):
-        scores = kc.query_table(kc.rotation.apply(qf)).scores(code) * _norms(code)
+        scores = kc.query_table(qf).scores(code)
     else:
         scores = qf @ mx.swapaxes(_per_head(kc.decode(code)), -1, -2)
     if mu is not None:
@@ -177,8 +173,7 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     s, r = values.exact_spans()
     pc = p[..., s:T - r]                                      # weights of the coded tokens
     if hasattr(vc, "weighted_sum"):                            # exact tokens weigh nothing here
-        w = mx.pad(pc * _norms(code)[..., s:T - r], [(0, 0)] * 4 + [(s, r)])
-        out = vc.rotation.invert(vc.weighted_sum(w, code))
+        out = vc.weighted_sum(mx.pad(pc, [(0, 0)] * 4 + [(s, r)]), code)
     else:
         out = pc @ _per_head(vc.decode(code))[..., s:T - r, :]
     if mu is not None:

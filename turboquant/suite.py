@@ -1,8 +1,9 @@
 """The real-model comparison (Chapter 9 and ``turboquant eval``): named cache
 configurations, each scored on the same tokens.
 
-``CONFIGS`` maps a name to a ``Config`` (how to build its cache for a model, which family
-it belongs to). ``evaluate(model, tokenizer, names, …)`` runs perplexity through the cache,
+``CONFIGS`` maps a name to a ``Config`` (how to build its cache for a model, what it costs,
+which family it belongs to): one small class per kind (``Reference``, ``MlxQuantized``,
+``Kivi``, ``Codecs``, ``Calibrated``, ``Profile``). The CLI's names are ``CONFIGS``' keys. ``evaluate(model, tokenizer, names, …)`` runs perplexity through the cache,
 greedy top-1 agreement, per-layer attention fidelity and, optionally, needle retrieval, and
 returns plain JSON-able results.
 """
@@ -22,84 +23,166 @@ from .codecs import AffineCodec, FibQuant, OutlierSplit, PolarQuant, TurboQuantP
 from .data import load_text
 from .prompt_cache import make_prompt_cache
 
-__all__ = ["mse_config", "best_under", "Config", "CONFIGS", "CHAPTER_CONFIGS", "evaluate", "frontier_rows"]
+__all__ = ["mse_config", "best_under", "Config", "Reference", "MlxQuantized", "Kivi", "Codecs", "Calibrated", "Profile",
+           "CONFIGS", "CHAPTER_CONFIGS", "evaluate", "frontier_rows"]
 
 
-@dataclass(frozen=True)
 class Config:
-    """A cache configuration: ``key``/``value`` are codec factories dim → codec (None for
-    mlx-lm's own caches, built by ``mlx_bits``), plus cache options."""
+    """A named cache configuration of the comparison: how to build its cache for a model
+    (``make_cache``) and what it costs (``bits``). One subclass per kind: ``Reference``,
+    ``MlxQuantized``, ``Kivi``, ``Codecs``, ``Calibrated``, ``Profile``."""
 
     family: str
-    key: Optional[Callable] = None
-    value: Optional[Callable] = None
-    fp_window: int = 0
-    sink_tokens: int = 0
-    mlx_bits: Optional[int] = None          # mlx-lm QuantizedKVCache(group_size=64, bits)
-    note: str = ""
-    extra: dict = field(default_factory=dict)
-    kivi: Optional[tuple] = None            # (bits, group, residual): KIVICache
-    calibrated: Optional[dict] = None       # fit_layers arguments: fitted on calibration text
-    profile_bits: Optional[float] = None    # make_prompt_cache(model, bits=…) with the model's profile
-
-    @property
-    def needs_calibration(self) -> bool:
-        return self.calibrated is not None
+    note: str
+    needs_calibration = False       # fitted on calibration statistics (``make_cache(model, stats)``)
+    needs_profile = False           # uses the model's shipped profile
 
     def make_cache(self, model, stats=None) -> Optional[Callable[[], list]]:
         """A zero-argument cache factory for ``turboquant.evaluation`` (None: fp32 KVCache).
         ``stats``: ``turboquant.calibration.capture_statistics`` of the calibration text, for
         calibrated configurations."""
-        if self.kivi is not None:
-            from .kivi import KIVICache
-            n = len(model.layers)
-            return lambda: [KIVICache(*self.kivi) for _ in range(n)]
-        if self.calibrated is not None:
-            from .calibration import fit_layers
-            if stats is None:
-                raise ValueError("a calibrated configuration needs calibration statistics")
-            keys, values = fit_layers(stats, **self.calibrated)
-            return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values,
-                                             sink_tokens=self.sink_tokens, warn_rotating=False)
-        if self.profile_bits is not None:
-            make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False)   # fit once, untimed
-            return lambda: make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False)
-        if self.key is None and self.mlx_bits is None:
-            return None
-        if self.mlx_bits is not None:
-            from mlx_lm.models.cache import QuantizedKVCache
-            n = len(model.layers)
-            return lambda: [QuantizedKVCache(group_size=64, bits=self.mlx_bits) for _ in range(n)]
+        raise NotImplementedError
+
+    def bits(self, dim: int) -> float:
+        """Average over K and V of the bits per coordinate, side information included."""
+        raise NotImplementedError
+
+    def nominal_bits(self, dim: int) -> float:
+        """Deprecated name of ``bits``."""
+        from .checks import deprecated
+        deprecated("suite.Config.nominal_bits(dim)", "Config.bits(dim)")
+        return self.bits(dim)
+
+    def fidelity_codecs(self) -> Optional[tuple]:
+        """(key factory, value factory, sink tokens) for per-layer attention fidelity, or None
+        when the configuration has no codec factories (mlx-lm, KIVI, calibrated, fp32)."""
+        return None
+
+
+@dataclass(frozen=True)
+class Reference(Config):
+    """The full-precision cache (mlx-lm's ``KVCache``, float32)."""
+
+    family: str = "reference"
+    note: str = ""
+
+    def make_cache(self, model, stats=None):
+        return None
+
+    def bits(self, dim):
+        return 32.0
+
+
+@dataclass(frozen=True)
+class MlxQuantized(Config):
+    """mlx-lm's ``QuantizedKVCache(group_size=64, bits)``."""
+
+    quant_bits: int
+    family: str = "mlx-lm affine"
+    note: str = "QuantizedKVCache g=64"
+
+    def make_cache(self, model, stats=None):
+        from mlx_lm.models.cache import QuantizedKVCache
+        n = len(model.layers)
+        return lambda: [QuantizedKVCache(group_size=64, bits=self.quant_bits) for _ in range(n)]
+
+    def bits(self, dim):
+        return self.quant_bits + 32 / 64
+
+
+@dataclass(frozen=True)
+class Kivi(Config):
+    """``KIVICache(bits, group, residual)``."""
+
+    kivi_bits: int
+    group: int = 32
+    residual: int = 32
+    family: str = "KIVI-style"
+    note: str = ""
+
+    def make_cache(self, model, stats=None):
+        from .kivi import KIVICache
+        n = len(model.layers)
+        return lambda: [KIVICache(self.kivi_bits, self.group, self.residual) for _ in range(n)]
+
+    def bits(self, dim):
+        return self.kivi_bits + (32 / self.group + 32 / 64) / 2   # without the float16 recent window: see measured_bits
+
+
+@dataclass(frozen=True)
+class Codecs(Config):
+    """Codec factories dim → codec for keys and values (``value`` None: the key factory),
+    built by ``make_prompt_cache``."""
+
+    family: str
+    key: Callable
+    value: Optional[Callable] = None
+    fp_window: int = 0
+    sink_tokens: int = 0
+    note: str = ""
+
+    def make_cache(self, model, stats=None):
         # on models with sliding-window layers fp_window and sinks apply to the global layers
         # only; make_prompt_cache would warn once per cache, i.e. per scoring window here
         return lambda: make_prompt_cache(model, key_codec=self.key, value_codec=self.value or self.key,
                                          fp_window=self.fp_window, sink_tokens=self.sink_tokens,
                                          warn_rotating=False)
 
-    def nominal_bits(self, dim: int) -> float:
-        """Average over K and V of the codec's bits per coordinate (side information included)."""
-        if self.mlx_bits is not None:
-            return self.mlx_bits + 32 / 64
-        if self.kivi is not None:
-            b, g, _ = self.kivi
-            return b + (32 / g + 32 / 64) / 2          # without the float16 recent window: see measured_bits
-        if self.calibrated is not None:                 # what the coders fitted from these arguments cost
-            from .codecs.transform import TransformCoder
-            c = self.calibrated
-            per = lambda b: TransformCoder.bits_for(b, dim, c.get("outliers", 0), c.get("uniform", False))
-            return (per(c["key_bits"]) + per(c["value_bits"])) / 2
-        if self.profile_bits is not None:
-            return self.profile_bits
-        if self.key is None:
-            return 32.0
+    def bits(self, dim):
         kc, vc = self.key(dim), (self.value or self.key)(dim)
         return (kc.bits_per_coordinate + vc.bits_per_coordinate) / 2
+
+    def fidelity_codecs(self):
+        return self.key, self.value or self.key, self.sink_tokens
+
+
+@dataclass(frozen=True)
+class Calibrated(Config):
+    """Transform coders fitted per layer on calibration statistics (``fit`` holds
+    ``calibration.fit_layers``' arguments)."""
+
+    family: str
+    fit: dict = field(default_factory=dict)
+    sink_tokens: int = 1
+    note: str = ""
+    needs_calibration = True
+
+    def make_cache(self, model, stats=None):
+        from .calibration import fit_layers
+        if stats is None:
+            raise ValueError("a calibrated configuration needs calibration statistics")
+        keys, values = fit_layers(stats, **self.fit)
+        return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values,
+                                         sink_tokens=self.sink_tokens, warn_rotating=False)
+
+    def bits(self, dim):                 # what the coders fitted from these arguments cost
+        from .codecs.transform import TransformCoder
+        c = self.fit
+        per = lambda b: TransformCoder.bits_for(b, dim, c.get("outliers", 0), c.get("uniform", False))
+        return (per(c["key_bits"]) + per(c["value_bits"])) / 2
+
+
+@dataclass(frozen=True)
+class Profile(Config):
+    """``make_prompt_cache(model, bits=…)`` with the model's shipped profile."""
+
+    profile_bits: float
+    family: str = "profile (make_prompt_cache(bits=…))"
+    note: str = "the model's shipped profile: the configuration calibrate chose"
+    needs_profile = True
+
+    def make_cache(self, model, stats=None):
+        make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False)   # fit once, untimed
+        return lambda: make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False)
+
+    def bits(self, dim):
+        return self.profile_bits
 
 
 def _mse(family, key_bits, value_bits=None, center_keys=False, **kw) -> Config:
     """A TurboQuant_mse configuration through ``budget.codecs_for`` (its one seed convention)."""
     k, v = codecs_for(key_bits, key_bits if value_bits is None else value_bits, center_keys)
-    return Config(family, k, v, **kw)
+    return Codecs(family, k, v, **kw)
 
 
 def _budget_configs():
@@ -110,60 +193,56 @@ def _budget_configs():
 
 
 CONFIGS: dict[str, Config] = {
-    "fp32": Config("reference"),
-    "mlx-lm affine 8": Config("mlx-lm affine", mlx_bits=8, note="QuantizedKVCache g=64"),
-    "mlx-lm affine 4": Config("mlx-lm affine", mlx_bits=4, note="QuantizedKVCache g=64"),
-    "uniform 4": Config("per-vector uniform", lambda d: AffineCodec(d, 4, 64), note="naive min-max per vector"),
-    "uniform 3": Config("per-vector uniform", lambda d: AffineCodec(d, 3, 64), note="naive min-max per vector"),
-    "uniform 2": Config("per-vector uniform", lambda d: AffineCodec(d, 2, 64), note="naive min-max per vector"),
+    "fp32": Reference(),
+    "mlx-lm affine 8": MlxQuantized(8),
+    "mlx-lm affine 4": MlxQuantized(4),
+    "uniform 4": Codecs("per-vector uniform", lambda d: AffineCodec(d, 4, 64), note="naive min-max per vector"),
+    "uniform 3": Codecs("per-vector uniform", lambda d: AffineCodec(d, 3, 64), note="naive min-max per vector"),
+    "uniform 2": Codecs("per-vector uniform", lambda d: AffineCodec(d, 2, 64), note="naive min-max per vector"),
     "TQ-mse 4": _mse("TurboQuant_mse", 4),
     "TQ-mse 3": _mse("TurboQuant_mse", 3),
     "TQ-mse 2": _mse("TurboQuant_mse", 2),
-    "TQ-prod 4": Config("TurboQuant_prod", lambda d: TurboQuantProd(d, 4)),
-    "TQ-prod 3": Config("TurboQuant_prod", lambda d: TurboQuantProd(d, 3)),
-    "PolarQuant": Config("PolarQuant", lambda d: PolarQuant(d)),
-    "FibQuant 3.5": Config("FibQuant", lambda d: FibQuant(d, 2, 128)),
-    "FibQuant 2.5": Config("FibQuant", lambda d: FibQuant(d, 2, 32)),
+    "TQ-prod 4": Codecs("TurboQuant_prod", lambda d: TurboQuantProd(d, 4)),
+    "TQ-prod 3": Codecs("TurboQuant_prod", lambda d: TurboQuantProd(d, 3)),
+    "PolarQuant": Codecs("PolarQuant", lambda d: PolarQuant(d)),
+    "FibQuant 3.5": Codecs("FibQuant", lambda d: FibQuant(d, 2, 128)),
+    "FibQuant 2.5": Codecs("FibQuant", lambda d: FibQuant(d, 2, 32)),
     "K4/V2": _mse("asymmetric", 4, 2),
     "K4/V3": _mse("asymmetric", 4, 3),
     "K3/V4": _mse("asymmetric", 3, 4),
     "TQ-mse 3 + 64 fp recent": _mse("recent window", 3, fp_window=64),
-    "outlier split 16@3 + 48@2": Config("outlier split", lambda d: OutlierSplit(d, n_outliers=d // 4,
+    "outlier split 16@3 + 48@2": Codecs("outlier split", lambda d: OutlierSplit(d, n_outliers=d // 4,
                                                                                outlier_bits=3, bits=2)),
     "centered TQ-mse 4": _mse("centered", 4, center_keys=True),
     "centered TQ-mse 3": _mse("centered", 3, center_keys=True),
     **_budget_configs(),
     # ---- published methods, reproduced on the same tokens (Chapter 10)
-    **{f"rotated affine {b}": Config("rotated affine", lambda d, b=b: AffineCodec(d, b, 64, rotation="hadamard"),
+    **{f"rotated affine {b}": Codecs("rotated affine", lambda d, b=b: AffineCodec(d, b, 64, rotation="hadamard"),
                                      note="randomized Hadamard, then mx.quantize g=64 (mlx-lm #1555, "
                                           "llama.cpp rotated q4_0)") for b in (4, 3, 2)},
-    **{f"split channels {b + 1}/{b}": Config(
+    **{f"split channels {b + 1}/{b}": Codecs(
         "split channels", lambda d, b=b: OutlierSplit(d, n_outliers=d // 2, outlier_bits=b + 1, bits=b),
         note="half the channels (highest RMS) at b+1 bits, each half rotated (sharpner's fractional rates)")
        for b in (3, 2)},
-    **{f"KIVI {b}": Config("KIVI-style", kivi=(b, 32, 32),
-                           note="keys per channel in groups of 32 tokens, values per token (g=64), "
-                                "32–63 newest tokens in float16 (counted in measured bits)") for b in (4, 2)},
-    **{f"KVQuant-style {b}": Config(
-        "KVQuant-style", sink_tokens=1,
-        calibrated=dict(key_bits=b, value_bits=b, outliers=1, transform="channels", uniform=True),
+    **{f"KIVI {b}": Kivi(b, 32, 32, note="keys per channel in groups of 32 tokens, values per token (g=64), "
+                                        "32–63 newest tokens in float16 (counted in measured bits)")
+       for b in (4, 2)},
+    **{f"KVQuant-style {b}": Calibrated(
+        "KVQuant-style", fit=dict(key_bits=b, value_bits=b, outliers=1, transform="channels", uniform=True),
         note="per-channel non-uniform levels fitted on calibration text, 1 exact outlier per vector, "
              "exact first token; after RoPE (mlx-lm applies it before the cache)") for b in (4, 3, 2)},
     # ---- ours: transform coding calibrated on another text (Chapter 10)
-    **{f"calibrated {b}": Config(
-        "calibrated transform coding", sink_tokens=1,
-        calibrated=dict(key_bits=b, value_bits=b, outliers=1),
+    **{f"calibrated {b}": Calibrated(
+        "calibrated transform coding", fit=dict(key_bits=b, value_bits=b, outliers=1),
         note="per-head KLT under the query metric (keys), KLT (values), reverse water-filling, "
              "1 exact outlier, exact first token") for b in (4.25, 3.25, 2.25)},
-    **{f"ablation {b}: {label}": Config("calibrated transform coding (ablation)", sink_tokens=1,
-                                        calibrated=dict(key_bits=b, value_bits=b, **kw), note=label)
+    **{f"ablation {b}: {label}": Calibrated("calibrated transform coding (ablation)",
+                                            fit=dict(key_bits=b, value_bits=b, **kw), note=label)
        for b in (4.25, 3.25, 2.25) for label, kw in (
            ("channels + water-filling", dict(outliers=0, transform="channels")),
            ("KLT", dict(outliers=0, query_metric=False)),
            ("KLT + query metric", dict(outliers=0)))},
-    **{f"profile {b}": Config("profile (make_prompt_cache(bits=…))", profile_bits=b,
-                              note="the model's shipped profile: the configuration calibrate chose")
-       for b in (4.25, 3.25, 2.25)},
+    **{f"profile {b}": Profile(b) for b in (4.25, 3.25, 2.25)},
 }
 
 CHAPTER_CONFIGS = ("fp32", "mlx-lm affine 4", "uniform 4", "uniform 3", "TQ-mse 4", "TQ-mse 3",
@@ -202,7 +281,7 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
     if calibrated and calibration_corpus == corpus:
         raise ValueError(f"{calibrated} are calibrated on {calibration_corpus!r}: evaluate them on another "
                          f"corpus (corpus={corpus!r})")
-    profiled = [n for n in names if CONFIGS[n].profile_bits is not None]
+    profiled = [n for n in names if CONFIGS[n].needs_profile]
     if profiled:
         from .calibration import find_profile
         prof = find_profile(model)
@@ -233,7 +312,7 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
         t0 = time.time()
         r = tqeval.perplexity(model, ids, mk, window=window, chunk=chunk, bos=bos,
                               compare=compare and mk is not None)
-        row = {"family": cfg.family, "note": cfg.note, "bits": cfg.nominal_bits(D),
+        row = {"family": cfg.family, "note": cfg.note, "bits": cfg.bits(D),
                "measured_bits": r["bits"], "ppl": r["ppl"], "nll": r["nll"]}
         if compare:
             row["kl"], row["top1"] = r.get("kl", 0.0), r.get("top1", 1.0)
@@ -241,8 +320,9 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
             row["agreement"] = tqeval.greedy_agreement(model, prompt, agreement_tokens, mk)
         elif agreement_tokens:
             row["agreement"] = 1.0
-        if captured is not None and cfg.key is not None and cfg.calibrated is None:
-            fid = tqeval.layer_fidelity(captured, cfg.key, cfg.value or cfg.key, sink_tokens=cfg.sink_tokens)
+        if captured is not None and cfg.fidelity_codecs() is not None:
+            key, value, sinks = cfg.fidelity_codecs()
+            fid = tqeval.layer_fidelity(captured, key, value, sink_tokens=sinks)
             row["fidelity_cos"] = [f["cos_mean"] for f in fid]
         if needle_contexts:
             n = tqeval.needle_accuracy(model, tokenizer, hay, needle_contexts, needle_depths, mk,
@@ -282,7 +362,7 @@ def mse_config(key_bits: Optional[int] = None, value_bits: Optional[int] = None,
     ``mse_config(4, 4, True, 1).make_cache(model)`` is a cache factory for ``turboquant.evaluation``.
     Codecs from ``budget.codecs_for`` (values rotated with seed 1, keys with seed 0)."""
     k, v = codecs_for(key_bits, value_bits, center_keys)
-    return Config("TQ-mse", key=k, value=v, sink_tokens=sink_tokens)
+    return Codecs("TQ-mse", key=k, value=v, sink_tokens=sink_tokens)
 
 
 def best_under(result: dict, bits: float, exclude=("reference", "recent window")) -> tuple:

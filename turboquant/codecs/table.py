@@ -9,8 +9,9 @@ TurboQuant_mse is the case K = 1 (a scalar Lloyd–Max table, quantized by its t
 FibQuant K ≥ 2 (a vector codebook). This class owns what they share: the one ``encode``
 body, unpacking, decoding in the rotated frame, the description the fused kernels need
 (``kernel_spec``) and the public query-table protocol that attention from codes uses
-(``query_table`` → ``QueryTable.scores``, and ``weighted_sum``), in the manner of nanopq's
-``dtable(query).adist(codes)``.
+(``query_table(q)`` → ``QueryTable.scores``, and ``weighted_sum``), in the manner of nanopq's
+``dtable(query).adist(codes)``: queries go in and scores and weighted sums come out in the
+caller's frame — the rotation and the norm field stay inside the codec.
 
 Fused kernels (``turboquant.kernels``) sit above the codecs: they import this module, never
 the other way round. They register themselves here (``set_accelerator``) when imported;
@@ -67,20 +68,27 @@ def accelerator():
 
 
 class QueryTable:
-    """Scores of codes against one batch of rotated queries: ⟨Πq, c[i_t]⟩ per token.
+    """Scores of codes against one batch of queries, in the caller's frame: ⟨q, x̂_t⟩.
 
-    ``q_rot`` (B, H_kv, R, Tq, D) float32 (R query heads per kv head). ``scores(code)`` for
-    a code of shape (B, H_kv, T) → (B, H_kv, R, Tq, T) float32: unit scores (multiply by
-    the stored norms for ⟨Πq, Πx̂⟩). Which path computes them — fused kernels, a per-query
-    table looked up per stored byte (scalar tables of 1, 2, 4 or 8 bits) or per block
-    (vector tables), or gathered codewords — is this object's business, not the caller's."""
+    ``QueryTable(codec, q)`` with queries q (B, H_kv, R, Tq, D) (R query heads per kv head)
+    as the model gives them; the table rotates them once (``q_rot`` = Πq). ``scores(code)``
+    for a code of shape (B, H_kv, T) → (B, H_kv, R, Tq, T) float32: ⟨q, x̂_t⟩ = ν_t ⟨Πq,
+    c[i_t]⟩; ``unit_scores(code)`` without the stored norms ν_t. Which path computes them —
+    fused kernels, a per-query table looked up per stored byte (scalar tables of 1, 2, 4 or
+    8 bits) or per block (vector tables), or gathered codewords — and the codec's frame
+    (rotation, norm field) are this object's business, not the caller's."""
 
-    def __init__(self, codec: "RotatedTable", q_rot: mx.array):
-        if q_rot.ndim != 5 or q_rot.shape[-1] != codec.dim:
-            raise ValueError(f"q_rot must be (B, H_kv, R, Tq, {codec.dim}), got {tuple(q_rot.shape)}")
-        self.codec, self.q_rot = codec, q_rot.astype(mx.float32)
+    def __init__(self, codec: "RotatedTable", q: mx.array):
+        if q.ndim != 5 or q.shape[-1] != codec.dim:
+            raise ValueError(f"queries must be (B, H_kv, R, Tq, {codec.dim}), got {tuple(q.shape)}")
+        self.codec, self.q_rot = codec, codec.rotation.apply(q.astype(mx.float32))
 
     def scores(self, code: Code) -> mx.array:
+        """⟨q, x̂_t⟩ for every query and coded token: (B, H_kv, R, Tq, T) float32."""
+        return self.unit_scores(code) * _token_weights(code["norm"])
+
+    def unit_scores(self, code: Code) -> mx.array:
+        """⟨Πq, c[i_t]⟩ (the stored norms left out): (B, H_kv, R, Tq, T) float32."""
         c, q = self.codec, self.q_rot
         B, H, R, Tq, D = q.shape
         idx = code["idx"]                                              # (B, H, T, NB) uint8
@@ -105,6 +113,11 @@ class QueryTable:
                                         mx.broadcast_to(pos, (B, H, R * Tq, T * nb)), axis=-1)
             return looked.reshape(B, H, R, Tq, T, nb).sum(axis=-1)
         return q @ mx.swapaxes(c.decode_rotated(code), -1, -2)[:, :, None]
+
+
+def _token_weights(norm: mx.array) -> mx.array:
+    """Stored norms (B, H_kv, T, 1) as per-token weights (B, H_kv, 1, 1, T) float32."""
+    return mx.swapaxes(norm.astype(mx.float32)[:, :, None], -1, -2)
 
 
 class RotatedTable(Codec):
@@ -201,13 +214,19 @@ class RotatedTable(Codec):
         return x.astype(code.dtype)
 
     # ------------------------------------------------------------------ attention protocol
-    def query_table(self, q_rot: mx.array) -> QueryTable:
-        """The per-query table for rotated queries q_rot (B, H_kv, R, Tq, D)."""
-        return QueryTable(self, q_rot)
+    def query_table(self, q: mx.array) -> QueryTable:
+        """The per-query table for queries q (B, H_kv, R, Tq, D) in the caller's frame."""
+        return QueryTable(self, q)
 
     def weighted_sum(self, w: mx.array, code: Code) -> mx.array:
-        """Σ_t w_t c[i_t] in the rotated frame: w (B, H_kv, R, Tq, T) float32 and a code of
-        shape (B, H_kv, T) → (B, H_kv, R, Tq, D) float32 (apply Πᵀ once afterwards)."""
+        """Σ_t w_t x̂_t in the caller's frame: w (B, H_kv, R, Tq, T) float32 and a code of
+        shape (B, H_kv, T) → (B, H_kv, R, Tq, D) float32 (the norms applied, one inverse
+        rotation for all tokens)."""
+        return self.rotation.invert(self.rotated_weighted_sum(w * _token_weights(code["norm"]), code))
+
+    def rotated_weighted_sum(self, w: mx.array, code: Code) -> mx.array:
+        """Σ_t w_t c[i_t] in the rotated frame (unit codewords, no norms): w (B, H_kv, R, Tq,
+        T) float32 → (B, H_kv, R, Tq, D) float32."""
         acc = accelerator()
         fused = None if acc is None else acc.values(self, w, code["idx"])
         if fused is not None:
