@@ -16,10 +16,8 @@ from turboquant.codecs.base import Code
 
 def all_codecs(dim=64):
     """One instance of every registered codec at head size ``dim`` (fitted where needed)."""
-    return [tq.TurboQuantMSE(dim, 4), tq.QJL(dim), tq.TurboQuantProd(dim, 3), tq.PolarQuant(dim),
-            tq.FibQuant(dim, 2, bits=2), tq.Identity(dim), tq.AffineCodec(dim, 4),
-            tq.OutlierSplit(dim, 32, channels=list(range(32))),
-            tq.Centered(tq.TurboQuantMSE(dim, 4), mean=[0.5] * dim)]
+    from conftest import codec_examples
+    return codec_examples(dim)
 
 
 # -------------------------------------------------------------- 8. empty input
@@ -36,11 +34,14 @@ def test_empty_input_gives_empty_results(codec, shape):
 
 
 # -------------------------------------------------------------- 9. one set of input rules
-@pytest.mark.parametrize("make", [
-    lambda v: tq.TurboQuantMSE(64, 4, seed=v), lambda v: tq.QJL(64, seed=v),
-    lambda v: tq.TurboQuantProd(64, 3, seed=v), lambda v: tq.PolarQuant(64, seed=v),
-    lambda v: tq.FibQuant(64, 2, bits=2, seed=v), lambda v: tq.AffineCodec(64, 4, seed=v),
-    lambda v: tq.OutlierSplit(64, 32, seed=v)])
+def _seeded():
+    """A maker seed → codec for every registered codec whose configuration has a seed."""
+    from conftest import codec_examples
+    return [(c.name, lambda v, cfg=c.config(): tq.from_config({**cfg, "seed": v}))
+            for c in codec_examples(64, fitted=False) if "seed" in c.config()]
+
+
+@pytest.mark.parametrize("make", [m for _, m in _seeded()], ids=[n for n, _ in _seeded()])
 def test_seed_rules_are_the_same_everywhere(make):
     with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
         make(-1)

@@ -1,6 +1,7 @@
 """Property tests (hypothesis), bounded to about a minute: random shapes, sizes and seeds
 for the rules every codec and cache file must keep (issue #13, "keep the probing")."""
 import copy
+import functools
 import math
 
 import mlx.core as mx
@@ -9,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import turboquant as tq
+from turboquant.codecs import CODECS
 from turboquant.rotation import Rotation
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -50,14 +52,19 @@ def test_scalar_codec_round_trip_properties(dim, bits, seed, lead, dtype):
     assert all(mx.array_equal(code[k], code2[k]).item() for k in code.arrays)
 
 
+@functools.lru_cache(maxsize=None)
+def _example(name: str, dim: int):
+    from conftest import codec_examples
+    (codec,) = [c for c in codec_examples(dim) if c.name == name]
+    return codec
+
+
 @FAST
-@given(make=st.sampled_from([lambda d: tq.PolarQuant(d, rotation="haar"), lambda d: tq.FibQuant(d, 2, 16),
-                             lambda d: tq.TurboQuantProd(d, 3, rotation="haar"), lambda d: tq.QJL(d),
-                             lambda d: tq.AffineCodec(d, 4, 32)]),
+@given(name=st.sampled_from(sorted(CODECS)),                 # every registered codec
        dim=st.sampled_from([32, 64, 96]), seed=st.integers(0, 1000), rows=st.integers(0, 9),
        dtype=st.sampled_from([mx.float32, mx.float16, mx.bfloat16]))
-def test_every_codec_keeps_shape_dtype_and_rebuilds(make, dim, seed, rows, dtype):
-    codec = make(dim)
+def test_every_codec_keeps_shape_dtype_and_rebuilds(name, dim, seed, rows, dtype):
+    codec = _example(name, dim)
     x = mx.random.normal((rows, dim), key=mx.random.key(seed)).astype(dtype)
     code = codec.encode(x)
     out = codec.decode(code)

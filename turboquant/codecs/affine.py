@@ -25,6 +25,11 @@ class AffineCodec(Codec):
     Code fields ``w`` (…, D·b/32) uint32, ``scales`` and ``biases`` (…, D/g) float16.
     """
 
+    @classmethod
+    def example(cls, dim: int) -> "AffineCodec":
+        """One instance for the codec contract tests: 4 bits, groups of 32."""
+        return cls(dim, 4, 32)
+
     name = "affine"
 
     def __init__(self, dim: int, bits: int, group_size: int = 64, *, rotation: str | None = None,

@@ -179,6 +179,13 @@ class Codec:
             return mx.clip(x, -FP16_MAX, FP16_MAX).astype(mx.float16)
         return self._decode(code)
 
+    @classmethod
+    def example(cls, dim: int) -> "Codec":
+        """One instance at head size ``dim`` for the codec contract tests (every registered
+        codec defines its own: the tests are built from the registry)."""
+        raise NotImplementedError(f"{cls.__name__} defines no example(dim): a registered codec needs one "
+                                  "for the contract tests")
+
     def validate_code(self, fields: dict) -> None:
         """Raise ``ValueError`` when code fields of the right shapes and dtypes (e.g. read from
         a file) still hold values this codec never writes and could not decode safely. The

@@ -31,6 +31,12 @@ class Centered(Codec):
     """``Centered(inner, *, mean=None)``: ``inner`` is a codec or its config; ``mean`` is (H, D) or
     (D,) nested lists (normally learned by ``fit``). Code fields are the inner codec's."""
 
+    @classmethod
+    def example(cls, dim: int) -> "Centered":
+        """One instance for the codec contract tests: TurboQuant_mse 4 bits inside (unfitted:
+        it learns its mean)."""
+        return cls({"codec": "turboquant_mse", "dim": dim, "bits": 4})
+
     name = "centered"
 
     def __init__(self, inner, *, mean=None):

@@ -230,6 +230,11 @@ class FibQuant(RotatedTable):
     Code fields ``idx`` (…, ceil(D/k · ceil(log2 N)/8)) uint8 and ``norm`` (…, 1) fp16.
     """
 
+    @classmethod
+    def example(cls, dim: int) -> "FibQuant":
+        """One instance for the codec contract tests: k = 2, 16 codewords (2 bits per coordinate)."""
+        return cls(dim, 2, 16)
+
     name = "fibquant"
 
     def __init__(self, dim: int, k: int = 2, n_codewords: int | None = None, *, bits: float | None = None,

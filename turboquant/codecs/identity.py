@@ -16,6 +16,11 @@ __all__ = ["Identity"]
 class Identity(Codec):
     """Identity(dim, dtype="float32"). Code field ``x`` (…, D)."""
 
+    @classmethod
+    def example(cls, dim: int) -> "Identity":
+        """One instance for the codec contract tests: float16."""
+        return cls(dim)
+
     name = "identity"
 
     def __init__(self, dim: int, dtype: str = "float32"):

@@ -91,6 +91,11 @@ class PolarQuant(Codec):
     stream (fewer padding bits than one stream per level); ``radius`` (…, D_pad/2^L) fp16.
     """
 
+    @classmethod
+    def example(cls, dim: int) -> "PolarQuant":
+        """One instance for the codec contract tests: a Haar rotation (any dimension)."""
+        return cls(dim, rotation="haar")
+
     name = "polarquant"
 
     def __init__(self, dim: int, level_bits=(4, 2, 2, 2), *, rotation: str = "hadamard", seed: int = 0):

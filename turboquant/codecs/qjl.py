@@ -49,6 +49,11 @@ class QJL(Codec):
     ``decode`` returns the unbiased estimate c·‖k‖·Sᵀ sign(S k) (…, D).
     """
 
+    @classmethod
+    def example(cls, dim: int) -> "QJL":
+        """One instance for the codec contract tests: the one-bit sketch."""
+        return cls(dim)
+
     name = "qjl"
 
     def __init__(self, dim: int, m: int | None = None, *, orthogonal: bool = False, seed: int = 0):
@@ -128,6 +133,11 @@ class TurboQuantProd(Codec):
     bits − 1 bits of TurboQuant_mse (none when bits = 1), plus a QJL sketch (m = D) of the
     residual with its fp16 norm γ. bits_per_coordinate = bits + 32/D (16/D when bits = 1).
     """
+
+    @classmethod
+    def example(cls, dim: int) -> "TurboQuantProd":
+        """One instance for the codec contract tests: three bits."""
+        return cls(dim, 3)
 
     name = "turboquant_prod"
 

@@ -74,6 +74,11 @@ class TurboQuantMSE(RotatedTable):
     (..., ceil(D·b/8)) uint8, ``norm`` (..., 1) float16.
     """
 
+    @classmethod
+    def example(cls, dim: int) -> "TurboQuantMSE":
+        """One instance for the codec contract tests: four bits."""
+        return cls(dim, 4)
+
     name = "turboquant_mse"
 
     def __init__(self, dim: int, bits: int, *, rotation: str = "hadamard", seed: int = 0,

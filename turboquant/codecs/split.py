@@ -25,6 +25,12 @@ class OutlierSplit(Codec):
     Code fields: ``o_idx``, ``o_norm`` (outlier part), ``r_idx``, ``r_norm`` (the rest).
     """
 
+    @classmethod
+    def example(cls, dim: int) -> "OutlierSplit":
+        """One instance for the codec contract tests: 4 outlier channels at 4 bits, the rest
+        at 2 (unfitted: it learns its channels)."""
+        return cls(dim, n_outliers=4, outlier_bits=4, bits=2, rotation="haar")
+
     name = "outlier_split"
 
     def __init__(self, dim: int, n_outliers: int = 32, outlier_bits: int = 3, bits: int = 2, *,
