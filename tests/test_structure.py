@@ -141,3 +141,99 @@ print(json.dumps({"env": sorted(set(os.environ.items()) ^ set(env.items())),
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"env": [], "rc": [], "reseeded": False}, got
+
+
+# ------------------------------------------------------------------ #27: one home per rule
+def cross_module_private_uses(package: Path = PACKAGE) -> list[str]:
+    """Private names one module of the package takes from another: ``from .m import _x`` and
+    ``obj._x`` where no class or function of this module defines ``_x`` (``self._x`` and
+    ``cls._x`` are the object's own). mlx-lm's private state is not the package's either."""
+    trees = {p: ast.parse(p.read_text()) for p in package.rglob("*.py")}
+    found = []
+    for path, tree in trees.items():
+        own = set()
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name.startswith("_"):
+                own.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name) \
+                    and n.value.id in ("self", "cls"):
+                own.add(n.attr)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                own.add(n.id)
+        where = path.relative_to(package.parent)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.level:
+                found += [f"{where}:{n.lineno} import {a.name}" for a in n.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+            elif isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__") \
+                    and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")) \
+                    and n.attr not in own:
+                found.append(f"{where}:{n.lineno} .{n.attr}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    assert cross_module_private_uses() == []
+
+
+def test_the_cross_module_finder_finds_them(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("class A:\n    def _mine(self):\n        return self._x\n\n"
+                              "def f(o):\n    return o._mine()\n")
+    (pkg / "b.py").write_text("from .a import _hidden\n\ndef g(c):\n    return c._idx\n")
+    assert sorted(s.split(" ", 1)[1] for s in cross_module_private_uses(pkg)) == ["._idx", "import _hidden"]   # o._mine() in a.py is its own
+
+
+def _package_sources():
+    for p in sorted(PACKAGE.rglob("*.py")):
+        yield p.relative_to(PACKAGE.parent).as_posix(), p.read_text()
+
+
+def test_each_rule_is_written_once():
+    """The rules #27 gave one home are not written a second time elsewhere: the budget
+    tolerance (``budget.within``), the causal mask (``attention.positions_mask``), the KV
+    bytes formula (``memory.kv_bytes``), the cache directory (``paths.cache_root``)."""
+    import re
+    rules = {
+        "turboquant/budget.py": re.compile(r"<=\s*[\w.()\[\]]+\s*\+\s*1e-9"),
+        "turboquant/attention.py": re.compile(r"arange\([^)]*\)\[:,\s*None\]\s*>="),
+        "turboquant/memory.py": re.compile(r"2\s*\*\s*\w*tokens\w*\s*\*\s*\w*kv_heads"),
+        "turboquant/paths.py": re.compile(r"gettempdir\(\)|[\"']/tmp\b|Path\.home\(\)\s*/\s*[\"']\.cache"),
+    }
+    for home, pattern in rules.items():
+        where = [f"{name}:{src[:m.start()].count(chr(10)) + 1}" for name, src in _package_sources()
+                 for m in pattern.finditer(src) if name != home]
+        assert not where, f"{pattern.pattern} belongs in {home}, also found at {where}"
+
+
+def test_deprecated_names_warn_once_and_still_work(monkeypatch):
+    """The renamed names of #27 keep working for one release and say what replaced them,
+    once per process."""
+    import warnings
+    import importlib
+    import sys
+    import turboquant.checks as checks
+    from turboquant.budget import BUDGETS
+    from turboquant import bitaxon, kernels
+    monkeypatch.setattr(checks, "_WARNED", set())
+    calls = {
+        "Budget.bits_per_coordinate": lambda: BUDGETS[0].bits_per_coordinate(64) == BUDGETS[0].bits(64),
+        "bitaxon.KVCache": lambda: isinstance(bitaxon.KVCache(4), bitaxon.ExactSWACache),
+        "kernels.fast_cpu_backend": lambda: kernels.fast_cpu_backend() is kernels.cpu_kernels_backend(),
+    }
+    for module in ("turboquant.eval", "turboquant.calibrate", "turboquant.calibrated"):
+        def load(module=module):
+            sys.modules.pop(module, None)
+            return importlib.import_module(module).__name__ == module
+        calls[module] = load
+    for name, call in calls.items():
+        with warnings.catch_warnings(record=True) as first:
+            warnings.simplefilter("always")
+            assert call(), name
+        assert [w.category for w in first] == [checks.TurboQuantDeprecationWarning], name
+        assert "deprecated: use" in str(first[0].message), name
+        with warnings.catch_warnings(record=True) as again:
+            warnings.simplefilter("always")
+            assert call(), name
+        assert not again, f"{name} warned twice"
