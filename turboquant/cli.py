@@ -322,7 +322,8 @@ def main(argv=None) -> int:
     m = sub.add_parser("memory", help="KV-cache bytes for a model preset (Chapter 1's formula)")
     m.add_argument("--preset", choices=sorted(memory.PRESETS), default="llama-3.1-8b")
     m.add_argument("--context", type=_int_at_least(1), nargs="+", default=[4096, 32768, 131072])
-    m.add_argument("--bits", type=_bits, nargs="+", default=[16, 8, 4, 3, 2])
+    m.add_argument("--bits", type=_bits, nargs="+", default=[16, 8, 4, 3, 2],
+                   help="payload bits per coordinate (the codec's index bits; --side adds side information)")
     m.add_argument("--side", choices=["none", "norm", "affine"], default="norm",
                    help="side information per vector for bits < 16 (default: one fp16 norm)")
     m.add_argument("--group-size", type=_int_at_least(1), default=None,
@@ -418,7 +419,8 @@ def main(argv=None) -> int:
     bg.add_argument("--model", default="smollm2-135m", help="an installed model or an mlx-lm folder")
     bg.add_argument("--context", type=_int_at_least(1), default=8192, help="prompt tokens before decoding")
     bg.add_argument("--new-tokens", type=_int_at_least(1), default=32, help="timed greedy tokens per cache")
-    bg.add_argument("--bits", type=_int_at_least(1), nargs="+", default=[4], help="TurboQuant_mse bits")
+    bg.add_argument("--bits", type=_int_at_least(1), nargs="+", default=[4],
+                    help="TurboQuant_mse index bits per coordinate (the fp16 norm adds 16/D)")
     bg.add_argument("--corpus", choices=["wikipedia", "lee"], default="lee", help="prompt text")
     bg.add_argument("--out", default=None, help="write the results as JSON here")
     bg.add_argument("--quiet", action="store_true", help="no progress lines")
