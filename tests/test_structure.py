@@ -237,3 +237,17 @@ def test_deprecated_names_warn_once_and_still_work(monkeypatch):
             warnings.simplefilter("always")
             assert call(), name
         assert not again, f"{name} warned twice"
+
+
+def test_no_module_defines_a_function_or_class_twice():
+    """A second top-level ``def`` of a name silently replaces the first (a moved function
+    left behind in its old place)."""
+    twice = []
+    for name, src in _package_sources():
+        seen = set()
+        for node in ast.parse(src).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if node.name in seen:
+                    twice.append(f"{name}: {node.name}")
+                seen.add(node.name)
+    assert not twice, twice

@@ -98,18 +98,6 @@ def find_profile(model) -> Optional[dict]:
 
 def profile_entry(profile: dict, bits: float, dim: int) -> dict:
     """The budget entry with the lowest measured perplexity among those within ``bits``."""
-    from .budget import best_within
-    size = lambda e: Choice(**e["choice"]).bits(dim)
-    best = best_within(profile["budgets"], bits, bits=size, score=lambda e: e["ppl"])
-    if best is None:
-        lo = min(size(e) for e in profile["budgets"])
-        raise ValueError(f"the profile of {profile.get('model')} has no configuration within {bits} bits "
-                         f"per coordinate; the smallest is {lo:g}")
-    return best
-
-
-def profile_entry(profile: dict, bits: float, dim: int) -> dict:
-    """The budget entry with the lowest measured perplexity among those within ``bits``."""
     from ..budget import best_within
     size = lambda e: Choice(**e["choice"]).bits(dim)
     best = best_within(profile["budgets"], bits, bits=size, score=lambda e: e["ppl"])
