@@ -1,0 +1,185 @@
+"""Cache files (``turboquant.cache_files``): any file name, every crafted or damaged file
+refused naming the field, another model refused, mlx-lm-saved TurboQuant caches, a cache
+trimmed to zero, models with fewer caches than layers."""
+import mlx.core as mx
+import pytest
+
+import turboquant as tq
+
+from mlx_lm.models import cache as mlx_cache
+
+from turboquant.models import run_in_chunks, tiny_model
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+
+
+def toks(n, seed=0):
+    return mx.random.randint(1, 256, (1, n), key=mx.random.key(seed))
+
+
+# a cache file is validated; any file name works
+@pytest.fixture
+def saved(tmp_path, llama):
+    cache = tq.make_prompt_cache(llama, key_codec=lambda d: tq.FibQuant(d, 2, 16),
+                                 value_codec=lambda d: tq.TurboQuantMSE(d, 3), fp_window=4, sink_tokens=1)
+    run_in_chunks(llama, toks(30), cache, [30])
+    path = tmp_path / "cache.bin"
+    tq.save_prompt_cache(path, cache)
+    return path, cache
+
+
+def _rewrite(path, out, edit_header=None, edit_arrays=None, fix_checksum=True):
+    import json
+    from turboquant.prompt_cache import content_digest
+    arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+    header = json.loads(meta["turboquant"])
+    if edit_header:
+        header = edit_header(header)
+    if edit_arrays:
+        edit_arrays(arrays)
+    meta["turboquant"] = json.dumps(header)
+    if fix_checksum:
+        meta["turboquant_sha256"] = content_digest(meta["turboquant"], arrays)
+    _save(out, arrays, meta)
+    return out
+
+
+def _save(out, arrays, meta):
+    """mx.save_safetensors appends '.safetensors' to other names: write, then rename."""
+    tmp = out.with_name(out.name + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), arrays, meta)
+    tmp.replace(out)
+
+
+@pytest.mark.parametrize("name", ["cache.bin", "cache", "c.safetensors"])
+def test_any_file_name_saves_and_loads(tmp_path, llama, name):
+    cache = tq.make_prompt_cache(llama)
+    run_in_chunks(llama, toks(10), cache, [10])
+    tq.save_prompt_cache(tmp_path / name, cache)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+    assert tq.load_prompt_cache(tmp_path / name)[0].offset == 10
+
+
+def _drop_layer(h):
+    h["layers"] = h["layers"][:1]
+    return h
+
+
+def _set(layer, key, value):
+    def edit(h):
+        h["layers"][layer][key] = value
+        return h
+    return edit
+
+
+def _codec_n(h):
+    h["layers"][0]["key_codec"]["n_codewords"] = 9     # 4-bit indices, of which 9..15 now unused
+    return h
+
+
+def _huge(h):
+    h["layers"][0]["key_codec"]["n_codewords"] = 65536
+    return h
+
+
+def _drop(name):
+    return lambda a: a.pop(name)
+
+
+def _add(name):
+    return lambda a: a.__setitem__(name, mx.zeros((1, 2, 3, 4)))
+
+
+@pytest.mark.parametrize("edit_header, edit_arrays, match", [
+    (_drop_layer, None, "orphan tensor '1"),
+    (_set(0, "fp_window", 2), None, "exact tensor r.k"),
+    (_set(0, "sink_tokens", 0), None, "exact-token tensors"),
+    (_set(0, "offset", 29), None, "stored tokens for offset 29"),
+    (_set(0, "dtype", "foo"), None, "dtype must be one of"),
+    (_set(0, "class", "Nope"), None, "unknown cache class"),
+    (_set(0, "key_codec", [1, 2]), None, "key_codec must be a codec configuration"),
+    (_codec_n, None, "tensor k.idx names codeword"),
+    (_huge, None, "would take about"),
+    (lambda h: [h], None, "JSON object"),
+    (lambda h: {k: v for k, v in h.items() if k != "layers"}, None, "'layers' must be a list"),
+    (None, _drop("0.r.k"), "exact-token tensors"),
+    (None, _add("0.x.idx"), "orphan tensor '0.x.idx'"),
+    (None, _add("junk"), "orphan tensor 'junk'"),
+])
+def test_a_crafted_file_is_refused_naming_the_field(saved, tmp_path, edit_header, edit_arrays, match):
+    path, _ = saved
+    bad = _rewrite(path, tmp_path / "bad.bin", edit_header, edit_arrays)
+    with pytest.raises(ValueError, match=match):
+        tq.load_prompt_cache(bad)
+
+
+def test_rotating_settings_are_checked(tmp_path, llama):
+    cache = tq.make_prompt_cache(llama, max_kv_size=16)
+    run_in_chunks(llama, toks(40), cache, [20] + [1] * 20)
+    path = tmp_path / "r.bin"
+    tq.save_prompt_cache(path, cache)
+    for key, value, match in (("max_size", 8, "do not fit"), ("keep", 16, "keep must be an int in 0..15"),
+                              ("max_size", 0, "max_size must be an int >= 1")):
+        with pytest.raises(ValueError, match=match):
+            tq.load_prompt_cache(_rewrite(path, tmp_path / "bad.bin", _set(0, key, value)))
+
+
+def test_a_changed_byte_is_reported(saved, tmp_path):
+    path, _ = saved
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF                                        # a byte of the last tensor
+    (tmp_path / "flipped.bin").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        tq.load_prompt_cache(tmp_path / "flipped.bin")
+    unchecked = _rewrite(path, tmp_path / "nosum.bin")
+    arrays, meta = mx.load(str(unchecked), format="safetensors", return_metadata=True)
+    del meta["turboquant_sha256"]
+    _save(tmp_path / "nosum.bin", arrays, meta)
+    with pytest.raises(ValueError, match="checksum"):
+        tq.load_prompt_cache(tmp_path / "nosum.bin")
+
+
+# a cache for another model
+def test_loading_for_a_different_model_raises(saved, llama):
+    path, _ = saved
+    assert len(tq.load_prompt_cache(path, model=llama)) == 2
+    for other, match in ((tiny_model("llama", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2), "3"),
+                         (tiny_model("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1), "kv heads"),
+                         (tiny_model("llama", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2), "head size")):
+        with pytest.raises(ValueError, match=match):
+            tq.load_prompt_cache(path, model=other)
+
+
+# files written by mlx_lm.save_prompt_cache
+def test_mlx_lm_saved_turboquant_caches_load(tmp_path, llama):
+    cache = tq.make_prompt_cache(llama, key_codec=lambda d: tq.Centered(tq.TurboQuantMSE(d, 4)), fp_window=4)
+    run_in_chunks(llama, toks(30), cache, [30])
+    mlx_cache.save_prompt_cache(str(tmp_path / "m.safetensors"), cache, {"who": "mlx-lm"})
+    loaded, meta = tq.load_prompt_cache(tmp_path / "m.safetensors", return_metadata=True)
+    assert meta == {"who": "mlx-lm"}
+    nxt = toks(1, seed=3)
+    assert mx.array_equal(llama(nxt, cache=cache), llama(nxt, cache=loaded)).item()
+
+
+def test_a_cache_trimmed_to_zero_saves_and_loads(tmp_path, llama):
+    for cache in (tq.make_prompt_cache(llama), tq.make_prompt_cache(llama, max_kv_size=16)):
+        run_in_chunks(llama, toks(10), cache, [10])
+        assert mlx_cache.trim_prompt_cache(cache, 10) == 10
+        tq.save_prompt_cache(tmp_path / "zero.bin", cache)
+        loaded = tq.load_prompt_cache(tmp_path / "zero.bin")
+        nxt = toks(3, seed=2)
+        assert mx.array_equal(llama(nxt, cache=cache), llama(nxt, cache=loaded)).item()
+
+
+def test_models_that_take_fewer_caches_than_layers_are_accepted(llama, tmp_path):
+    shared = tiny_model("llama", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2)
+    shared.make_cache = lambda: [mlx_cache.KVCache() for _ in range(2)]   # e.g. layers sharing a cache
+    cache = tq.make_prompt_cache(shared)
+    assert len(cache) == 2
+    from turboquant.prompt_cache import check_layers
+    check_layers(cache, shared)
+    with pytest.raises(ValueError, match="3"):
+        check_layers(cache + cache[:1], shared)
