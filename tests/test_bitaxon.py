@@ -175,3 +175,17 @@ def test_both_cache_faces_take_the_same_window_sizes():
         for make in (lambda w: ExactSWACache(w), lambda w: QuantizedSWACache(w, TurboQuantMSE(64, 4))):
             with pytest.raises(ValueError, match="window_size"):
                 make(bad)
+
+
+def test_the_exact_cache_masks_what_it_returns():
+    """ExactSWACache speaks mlx-lm's make_mask: the next N queries over the keys
+    update_and_fetch returns (the held window, then the new ones), by the window rule."""
+    from turboquant.attention import positions_mask
+    c = ExactSWACache(4)
+    x = mx.random.normal((1, 2, 6, 8), key=mx.random.key(0))
+    c.update_and_fetch(x, x)
+    mask = c.make_mask(2)
+    k, _ = c.update_and_fetch(x[:, :, :2], x[:, :, :2])
+    assert mask.shape == (2, k.shape[2]) == (2, 6)
+    assert mx.array_equal(mask, positions_mask(mx.arange(6, 8), mx.arange(2, 8), 4)).item()
+    assert mask[0].tolist() == [False, True, True, True, True, False]

@@ -106,8 +106,10 @@ def test_capture_and_layer_fidelity(smol, wiki):
     assert cap[0]["q"].shape == (1, 9, 128, 64) and cap[0]["k"].shape == (1, 3, 128, 64)
     exact = layer_fidelity(cap[:3], lambda d: Identity(d), lambda d: Identity(d), queries=32)
     assert all(f["cos_mean"] > 1 - 1e-6 for f in exact)
-    lossy = layer_fidelity(cap[:3], lambda d: TurboQuantMSE(d, 2), queries=32)
+    lossy = layer_fidelity(cap[:3], lambda d: TurboQuantMSE(d, 2), Identity, queries=32)   # values exact
     assert all(f["cos_mean"] < 0.999 and f["key_rel_mse"] > 0.05 for f in lossy)
+    both = layer_fidelity(cap[:3], lambda d: TurboQuantMSE(d, 2), lambda d: TurboQuantMSE(d, 2), queries=32)
+    assert all(b["cos_mean"] < f["cos_mean"] for b, f in zip(both, lossy))           # 2-bit values cost more
 
 
 def test_needle_prompt_places_the_fact(smol):

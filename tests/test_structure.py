@@ -222,6 +222,20 @@ def test_deprecated_names_warn_once_and_still_work(monkeypatch):
         "bitaxon.KVCache": lambda: isinstance(bitaxon.KVCache(4), bitaxon.ExactSWACache),
         "kernels.fast_cpu_backend": lambda: kernels.fast_cpu_backend() is kernels.cpu_kernels_backend(),
     }
+    import mlx.core as mx
+    import turboquant as tq
+    from turboquant.budget import codecs_for
+    from turboquant.suite import Codecs, Config
+    codec = tq.TurboQuantMSE(64, 4)
+    code = codec.encode(mx.random.normal((1, 1, 5, 64), key=mx.random.key(0)))
+    q = mx.random.normal((1, 1, 1, 1, 64), key=mx.random.key(1))
+    unit = codec.score_table(codec.rotation.invert(q)).unit_scores(code)
+    calls.update({
+        "RotatedTable.query_table": lambda: mx.allclose(codec.query_table(q).scores(code), unit, atol=1e-5).item(),
+        "RotatedTable.weighted_sum": lambda: codec.weighted_sum(mx.ones((1, 1, 1, 1, 5)), code).shape == (1, 1, 1, 1, 64),
+        "suite.Config(...)": lambda: isinstance(Config("x", lambda d: tq.TurboQuantMSE(d, 4)), Codecs),
+        "codecs_for(budget, seed)": lambda: codecs_for(BUDGETS[0], 3)[1](64).rotation.seed == 4,
+    })
     for module in ("turboquant.eval", "turboquant.calibrate", "turboquant.calibrated"):
         def load(module=module):
             sys.modules.pop(module, None)

@@ -135,7 +135,7 @@ def _mean_scores(qf: mx.array, mu: mx.array) -> mx.array:
 def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, mask=None) -> mx.array:
     """softmax(q kᵀ·scale) v with K and V read from ``CodesView`` objects: (B, H, Tq, D).
 
-    A codec that offers the query-table protocol (``query_table``/``weighted_sum``: the
+    A codec that offers the query-table protocol (``score_table``/``value_sum``: the
     rotated-table codecs, TurboQuant_mse and FibQuant) is read without decoding: its query
     table gives the scores ⟨q, x̂_t⟩ and its weighted sum Σ_t p_t x̂_t, both in the model's
     frame (inside, the query is rotated once, scores are ν_t·⟨Πq, c[i_t]⟩, the value side is
@@ -157,8 +157,8 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     fused = _attend_fused(q.reshape(B, Hk, R, Tq, D), scale, kc, code, values, mask, keys.exact_spans())
     if fused is not None:
         return fused.reshape(B, H, Tq, D).astype(q.dtype)
-    if hasattr(kc, "query_table"):
-        scores = kc.query_table(qf).scores(code)
+    if hasattr(kc, "score_table"):
+        scores = kc.score_table(qf).scores(code)
     else:
         scores = qf @ mx.swapaxes(_per_head(kc.decode(code)), -1, -2)
     if mu is not None:
@@ -172,8 +172,8 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     vc, code, mu = values.codec.attention_view(values.code())
     s, r = values.exact_spans()
     pc = p[..., s:T - r]                                      # weights of the coded tokens
-    if hasattr(vc, "weighted_sum"):                            # exact tokens weigh nothing here
-        out = vc.weighted_sum(mx.pad(pc, [(0, 0)] * 4 + [(s, r)]), code)
+    if hasattr(vc, "value_sum"):                               # exact tokens weigh nothing here
+        out = vc.value_sum(mx.pad(pc, [(0, 0)] * 4 + [(s, r)]), code)
     else:
         out = pc @ _per_head(vc.decode(code))[..., s:T - r, :]
     if mu is not None:
@@ -193,10 +193,10 @@ def _attend_fused(q, scale, kc, kcode, values, mask, key_spans):
     from .codecs.table import accelerator
     acc = accelerator()
     if acc is None or mask is not None or key_spans != (0, 0) or values.exact_spans() != (0, 0) \
-            or not hasattr(acc, "attend") or not hasattr(kc, "query_table"):
+            or not hasattr(acc, "attend") or not hasattr(kc, "score_table"):
         return None
     vc, vcode, vmu = values.codec.attention_view(values.code())
-    if not hasattr(vc, "weighted_sum"):
+    if not hasattr(vc, "value_sum"):
         return None
     out = acc.attend(kc, kcode, vc, vcode, q, scale)
     if out is None:

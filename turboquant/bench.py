@@ -6,7 +6,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-__all__ = ["generation_run", "time_call", "encode_decode_seconds", "affine_seconds", "matmul_gflops",
+__all__ = ["decode_record", "generation_run", "time_call", "encode_decode_seconds", "affine_seconds", "matmul_gflops",
            "scoring_tokens_per_second", "blas_comparison", "decode_attention_seconds", "decode_attention_rows",
            "decode_codecs", "DECODE_HEADERS", "generation_tokens_per_second", "memory_bandwidth"]
 
@@ -200,6 +200,17 @@ def blas_comparison(with_model: bool = True, n_tokens: int = 256) -> dict:
             raise RuntimeError(f"BLAS probe failed: {r.stderr[-2000:]}")
         out[label] = json.loads(r.stdout.strip().splitlines()[-1])
     return out
+
+
+def decode_record(rows: list, repeats: int) -> dict:
+    """``turboquant bench decode --out``'s JSON record: the rows of ``decode_attention_rows``
+    with the back-end, why it is active, and the machine."""
+    import os
+    import platform
+    from . import kernels
+    return {"kind": "decode attention", "headers": DECODE_HEADERS, "rows": rows,
+            "backend": kernels.backend_name(), "why": kernels.why(), "repeats": repeats,
+            "machine": platform.machine(), "cpu_count": os.cpu_count(), "bandwidth_gb_s": memory_bandwidth()}
 
 
 def generation_run(model: str = "smollm2-135m", context: int = 8192, new_tokens: int = 32,

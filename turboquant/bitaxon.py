@@ -83,6 +83,13 @@ class ExactSWACache(CacheBase):
     def size(self) -> int:
         return min(self.offset, self.window_size)
 
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
+        """(N, held + N) bool: the next ``N`` queries over the keys ``update_and_fetch`` will
+        return (the held window and the new ones), by the window rule p − W < j ≤ p."""
+        held = 0 if self.k is None else self.k.shape[2]
+        return positions_mask(mx.arange(self.offset, self.offset + N),
+                              mx.arange(self.offset - held, self.offset + N), window_size or self.window_size)
+
     @property
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes

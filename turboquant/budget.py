@@ -60,15 +60,29 @@ def best_within(items: Iterable[T], budget: float, *, bits: Callable[[T], float]
     return min(fits, key=lambda t: t[:3])[3] if fits else None
 
 
-def codecs_for(key_bits, value_bits: Optional[int] = None, center_keys: bool = False, seed: int = 0):
+_SAME = object()
+
+
+def codecs_for(key_bits, value_bits=_SAME, center_keys: bool = False, seed: int = 0, *,
+               center_values: bool = False):
     """(key codec factory, value codec factory), each ``dim -> codec``, for
-    TurboQuant_mse at ``key_bits``/``value_bits`` bits (None: kept exactly, ``Identity``),
-    keys optionally ``Centered``. The one seed convention: keys use ``seed``, values
-    ``seed + 1`` (independent rotations). ``key_bits`` may be a ``Budget`` (its bits and
-    centering)."""
+    TurboQuant_mse at ``key_bits``/``value_bits`` bits (``value_bits`` defaults to
+    ``key_bits``; None keeps that side exact, ``Identity``), keys (and values, with
+    ``center_values``) optionally ``Centered``. The one seed convention: keys use ``seed``,
+    values ``seed + 1`` (independent rotations). ``key_bits`` may be a ``Budget`` (its bits
+    and centering; then only ``seed=`` may follow)."""
     from .codecs import Centered, Identity, TurboQuantMSE
     if isinstance(key_bits, Budget):
+        if value_bits is not _SAME:
+            if isinstance(value_bits, int) and not isinstance(value_bits, bool):   # codecs_for(budget, seed)
+                from .checks import deprecated
+                deprecated("codecs_for(budget, seed)", "codecs_for(budget, seed=seed)")
+                seed = value_bits
+            else:
+                raise TypeError(f"codecs_for(budget, …) takes only seed=, got {value_bits!r}")
         key_bits, value_bits, center_keys = key_bits.key_bits, key_bits.value_bits, key_bits.center_keys
+    elif value_bits is _SAME:
+        value_bits = key_bits
 
     def factory(b, s, centered):
         if b is None:
@@ -76,7 +90,7 @@ def codecs_for(key_bits, value_bits: Optional[int] = None, center_keys: bool = F
         if centered:
             return lambda d: Centered(TurboQuantMSE(d, b, seed=s))
         return lambda d: TurboQuantMSE(d, b, seed=s)
-    return factory(key_bits, seed, center_keys), factory(value_bits, seed + 1, False)
+    return factory(key_bits, seed, center_keys), factory(value_bits, seed + 1, center_values)
 
 
 @dataclass(frozen=True)

@@ -188,7 +188,7 @@ class TurboQuantKVCache(CacheBase):
         was given is not the whole prompt cache (e.g. ``cache[:10]``: mlx-lm zips layers
         with caches and silently runs 10 of 30 layers): refuse, and mark the cache unusable."""
         caches, o = group["caches"], self.offset
-        i = getattr(self, "group_index", None)          # set with the group (prompt_cache._tag): no search per step
+        i = getattr(self, "group_index", None)          # set with the group (cache.tag_group): no search per step
         if i is None or i >= len(caches) or caches[i] is not self:
             return
         before = [n for n in range(i) if caches[n].offset != o + T]

@@ -279,12 +279,8 @@ def _bench_decode(args) -> int:
                                                                                   file=sys.stderr, flush=True))
     print(table(rows, DECODE_HEADERS, ".3g"))
     if getattr(args, "out", None):
-        import platform
-        from .bench import memory_bandwidth
-        _write_json(args.out, {"kind": "decode attention", "headers": DECODE_HEADERS, "rows": rows,
-                               "backend": kernels.backend_name(), "why": kernels.why(), "repeats": args.repeats,
-                               "machine": platform.machine(), "cpu_count": __import__("os").cpu_count(),
-                               "bandwidth_gb_s": memory_bandwidth()})
+        from .bench import decode_record
+        _write_json(args.out, decode_record(rows, args.repeats))
     return 0
 
 

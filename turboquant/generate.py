@@ -76,12 +76,11 @@ def new_cache(model, options: dict, load_path: Optional[str] = None) -> list:
     return make_prompt_cache(model, **options, warn_rotating=False)
 
 
-def fp16_bytes(model, cache: list) -> float:
-    """Deprecated name of ``memory.fp16_cache_bytes``."""
+def fp16_bytes(model, cache: list) -> int:
+    """Deprecated name of ``memory.fp16_cache_bytes`` (an int, as it was)."""
     from .checks import deprecated
-    from .memory import fp16_cache_bytes
     deprecated("generate.fp16_bytes", "memory.fp16_cache_bytes")
-    return fp16_cache_bytes(model, cache)
+    return int(fp16_cache_bytes(model, cache))
 
 
 def report(model, cache: list, prefill: tuple[int, float], decode: tuple[int, float]) -> str:

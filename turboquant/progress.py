@@ -7,9 +7,10 @@ import sys
 __all__ = ["progress"]
 
 
-def progress(iterable, total=None, desc=None, enabled: bool = False):
-    """``iterable`` itself, or wrapped in a tqdm bar when ``enabled``."""
+def progress(iterable, total=None, desc=None, enabled: bool = False, unit: str = "it"):
+    """``iterable`` itself, or wrapped in a tqdm bar (on standard error, cleared when done)
+    when ``enabled``."""
     if not enabled:
         return iterable
     from tqdm.auto import tqdm
-    return tqdm(iterable, total=total, desc=desc, leave=False, file=sys.stderr)
+    return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False, file=sys.stderr)

@@ -20,6 +20,17 @@ __all__ = ["make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prom
            "check_layers", "cache_count", "content_digest", "model_fingerprint",
            "FORMAT", "FORMAT_VERSION"]
 
+def _ring_layout(c) -> tuple[int, int, int, int]:
+    """(offset, keep, max_size, write position) of an mlx-lm ``RotatingKVCache`` through its
+    public state (mlx-lm 0.32: keys, values, offset, keep, max_size, idx); a layout this
+    package does not know is refused, not guessed."""
+    st = c.state
+    if len(st) != 6:
+        raise ValueError(f"this mlx-lm's RotatingKVCache.state has {len(st)} entries; turboquant reads the "
+                         "6 of mlx-lm 0.32 (keys, values, offset, keep, max_size, idx)")
+    return tuple(int(x) for x in st[2:])
+
+
 def _head_dim(model) -> int:
     return geometry_from_model(model).head_dim
 
@@ -154,7 +165,7 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
         n = min(c.offset, keys.shape[2])          # slots held (a ring may hold fewer than offset)
         k, v = keys[..., :n, :], values[..., :n, :]
         if isinstance(c, mlx_cache.RotatingKVCache):   # the same ring layout as the source cache
-            offset, keep, max_size, idx = c.state[2:]      # mlx-lm's RotatingKVCache.state
+            offset, keep, max_size, idx = _ring_layout(c)
             out.append(TurboQuantRotatingKVCache.from_ring(k, v, kc, vc, max_size=max_size, keep=keep,
                                                            offset=offset, idx=idx))
         else:                                     # as if the tokens came in one update

@@ -27,7 +27,34 @@ __all__ = ["mse_config", "best_under", "Config", "Reference", "MlxQuantized", "K
            "CONFIGS", "CHAPTER_CONFIGS", "evaluate", "frontier_rows"]
 
 
-class Config:
+class _LegacyConstructor(type):
+    """``Config(family, key, value, …)`` as before #27 (one class for every kind) builds the
+    matching subclass, with a deprecation warning; subclasses construct normally."""
+
+    def __call__(cls, *args, **kwargs):
+        if cls is not Config:
+            return super().__call__(*args, **kwargs)
+        from .checks import deprecated
+        deprecated("suite.Config(family, …)", "a kind: Reference, MlxQuantized, Kivi, Codecs, Calibrated or Profile")
+        return _legacy_config(*args, **kwargs)
+
+
+def _legacy_config(family, key=None, value=None, fp_window=0, sink_tokens=0, mlx_bits=None, note="", extra=None,
+                   kivi=None, calibrated=None, profile_bits=None) -> "Config":
+    if kivi is not None:
+        return Kivi(*kivi, family=family, note=note)
+    if calibrated is not None:
+        return Calibrated(family, fit=dict(calibrated), sink_tokens=sink_tokens, note=note)
+    if profile_bits is not None:
+        return Profile(profile_bits, family=family, note=note)
+    if mlx_bits is not None:
+        return MlxQuantized(mlx_bits, family=family, note=note)
+    if key is None:
+        return Reference(family=family, note=note)
+    return Codecs(family, key, value, fp_window=fp_window, sink_tokens=sink_tokens, note=note)
+
+
+class Config(metaclass=_LegacyConstructor):
     """A named cache configuration of the comparison: how to build its cache for a model
     (``make_cache``) and what it costs (``bits``). One subclass per kind: ``Reference``,
     ``MlxQuantized``, ``Kivi``, ``Codecs``, ``Calibrated``, ``Profile``."""
@@ -179,9 +206,10 @@ class Profile(Config):
         return self.profile_bits
 
 
-def _mse(family, key_bits, value_bits=None, center_keys=False, **kw) -> Config:
+def _mse(family, key_bits, value_bits=None, center_keys=False, center_values=False, **kw) -> Config:
     """A TurboQuant_mse configuration through ``budget.codecs_for`` (its one seed convention)."""
-    k, v = codecs_for(key_bits, key_bits if value_bits is None else value_bits, center_keys)
+    k, v = codecs_for(key_bits, key_bits if value_bits is None else value_bits, center_keys,
+                      center_values=center_values)
     return Codecs(family, k, v, **kw)
 
 
@@ -213,8 +241,8 @@ CONFIGS: dict[str, Config] = {
     "TQ-mse 3 + 64 fp recent": _mse("recent window", 3, fp_window=64),
     "outlier split 16@3 + 48@2": Codecs("outlier split", lambda d: OutlierSplit(d, n_outliers=d // 4,
                                                                                outlier_bits=3, bits=2)),
-    "centered TQ-mse 4": _mse("centered", 4, center_keys=True),
-    "centered TQ-mse 3": _mse("centered", 3, center_keys=True),
+    "centered TQ-mse 4": _mse("centered", 4, center_keys=True, center_values=True),   # both centred, as recorded
+    "centered TQ-mse 3": _mse("centered", 3, center_keys=True, center_values=True),
     **_budget_configs(),
     # ---- published methods, reproduced on the same tokens (Chapter 10)
     **{f"rotated affine {b}": Codecs("rotated affine", lambda d, b=b: AffineCodec(d, b, 64, rotation="hadamard"),
@@ -302,11 +330,8 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
         cal = tqeval.encode_text(tokenizer, load_text(calibration_corpus), calibration_windows * WINDOW)
         stats = capture_statistics(model, cal, bos=bos)
     results, start = {}, time.time()
-    it = names
-    if progress:
-        from tqdm.auto import tqdm
-        it = tqdm(names, desc="configurations")
-    for name in it:
+    from .progress import progress as progress_bar
+    for name in progress_bar(names, len(names), "configurations", progress):
         cfg = CONFIGS[name]
         mk = cfg.make_cache(model, stats)
         t0 = time.time()

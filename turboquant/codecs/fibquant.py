@@ -198,7 +198,7 @@ def _codebook(dim, k, n, seed, restarts, use_disk) -> VectorCodebook:
 def _build(dim, k, n, seed, restarts) -> VectorCodebook:
     import time
 
-    from tqdm import tqdm
+    from ..progress import progress
     t0 = time.perf_counter()
     n_train = _n_train(k, n)
     train = sample_block(n_train, dim, k, seed=seed)
@@ -208,9 +208,9 @@ def _build(dim, k, n, seed, restarts) -> VectorCodebook:
     init_mse = best_mse
     rng = np.random.default_rng([seed, dim, k, n])
     starts = [init] + [kmeans_pp(train, n, rng) for _ in range(max(0, restarts - 1))]
-    bar = tqdm(starts, desc=f"FibQuant codebook D={dim} k={k} N={n} (~{build_seconds(dim, k, n, restarts):.0f} s)",
-               unit="start", leave=False,
-               disable=build_seconds(dim, k, n, restarts) < 2.0 or not sys.stderr.isatty())
+    seconds = build_seconds(dim, k, n, restarts)
+    bar = progress(starts, len(starts), f"FibQuant codebook D={dim} k={k} N={n} (~{seconds:.0f} s)",
+                   enabled=seconds >= 2.0 and sys.stderr.isatty(), unit="start")
     for r, start in enumerate(bar):
         c, _ = kmeans(train, start)
         m = float(nearest(valid, c)[1].mean())

@@ -18,7 +18,7 @@ class Identity(Codec):
 
     @classmethod
     def example(cls, dim: int) -> "Identity":
-        """One instance for the codec contract tests: float16."""
+        """One instance for the codec contract tests: float32 (the default)."""
         return cls(dim)
 
     name = "identity"

@@ -9,7 +9,7 @@ TurboQuant_mse is the case K = 1 (a scalar Lloyd–Max table, quantized by its t
 FibQuant K ≥ 2 (a vector codebook). This class owns what they share: the one ``encode``
 body, unpacking, decoding in the rotated frame, the description the fused kernels need
 (``kernel_spec``) and the public query-table protocol that attention from codes uses
-(``query_table(q)`` → ``QueryTable.scores``, and ``weighted_sum``), in the manner of nanopq's
+(``score_table(q)`` → ``QueryTable.scores``, and ``value_sum``), in the manner of nanopq's
 ``dtable(query).adist(codes)``: queries go in and scores and weighted sums come out in the
 caller's frame — the rotation and the norm field stay inside the codec.
 
@@ -115,6 +115,18 @@ class QueryTable:
         return q @ mx.swapaxes(c.decode_rotated(code), -1, -2)[:, :, None]
 
 
+class _RotatedQueryTable(QueryTable):
+    """The table ``query_table`` gave before #27: rotated queries in, unit scores out."""
+
+    def __init__(self, codec: "RotatedTable", q_rot: mx.array):
+        if q_rot.ndim != 5 or q_rot.shape[-1] != codec.dim:
+            raise ValueError(f"q_rot must be (B, H_kv, R, Tq, {codec.dim}), got {tuple(q_rot.shape)}")
+        self.codec, self.q_rot = codec, q_rot.astype(mx.float32)
+
+    def scores(self, code: Code) -> mx.array:
+        return self.unit_scores(code)
+
+
 def _token_weights(norm: mx.array) -> mx.array:
     """Stored norms (B, H_kv, T, 1) as per-token weights (B, H_kv, 1, 1, T) float32."""
     return mx.swapaxes(norm.astype(mx.float32)[:, :, None], -1, -2)
@@ -214,15 +226,29 @@ class RotatedTable(Codec):
         return x.astype(code.dtype)
 
     # ------------------------------------------------------------------ attention protocol
-    def query_table(self, q: mx.array) -> QueryTable:
+    def score_table(self, q: mx.array) -> QueryTable:
         """The per-query table for queries q (B, H_kv, R, Tq, D) in the caller's frame."""
         return QueryTable(self, q)
 
-    def weighted_sum(self, w: mx.array, code: Code) -> mx.array:
+    def value_sum(self, w: mx.array, code: Code) -> mx.array:
         """Σ_t w_t x̂_t in the caller's frame: w (B, H_kv, R, Tq, T) float32 and a code of
         shape (B, H_kv, T) → (B, H_kv, R, Tq, D) float32 (the norms applied, one inverse
         rotation for all tokens)."""
         return self.rotation.invert(self.rotated_weighted_sum(w * _token_weights(code["norm"]), code))
+
+    def query_table(self, q_rot: mx.array) -> "_RotatedQueryTable":
+        """Deprecated (#27): a table of already-rotated queries whose ``scores`` are unit
+        scores ⟨q_rot, c[i_t]⟩; now ``score_table(q)`` takes the queries as they are."""
+        from ..checks import deprecated
+        deprecated("RotatedTable.query_table(q_rot)", "score_table(q) (queries unrotated, norms applied)")
+        return _RotatedQueryTable(self, q_rot)
+
+    def weighted_sum(self, w: mx.array, code: Code) -> mx.array:
+        """Deprecated (#27): Σ_t w_t c[i_t] in the rotated frame; now ``value_sum`` (the
+        caller's frame, norms applied) or ``rotated_weighted_sum`` (this)."""
+        from ..checks import deprecated
+        deprecated("RotatedTable.weighted_sum(w, code)", "value_sum(w, code) or rotated_weighted_sum(w, code)")
+        return self.rotated_weighted_sum(w, code)
 
     def rotated_weighted_sum(self, w: mx.array, code: Code) -> mx.array:
         """Σ_t w_t c[i_t] in the rotated frame (unit codewords, no norms): w (B, H_kv, R, Tq,

@@ -1,6 +1,7 @@
 """Evaluation through a cache: perplexity, attention fidelity per layer, needle retrieval,
 greedy top-1 agreement (Chapters 7 and 9). One module per idea: ``text`` (token ids),
-``prefill`` (the one prefill loop), ``perplexity``, ``agreement``, ``fidelity``, ``needle``.
+``prefilling`` (the one prefill loop, ``prefill``), ``scoring`` (``perplexity``), ``agreement``,
+``fidelity``, ``needle``.
 
 Every function takes ``make_cache``: a zero-argument callable returning a fresh prompt
 cache (a list, one entry per layer), or None for mlx-lm's full-precision ``KVCache``. The
@@ -11,8 +12,8 @@ cache and cannot see KV compression).
 from .agreement import greedy_agreement, top1_agreement
 from .fidelity import capture_qkv, key_statistics, layer_fidelity, recording
 from .needle import NEEDLE, NEEDLE_VALUES, QUESTION, needle_accuracy, needle_prompt, needle_values
-from .perplexity import perplexity
-from .prefill import MakeCache, fresh_cache, greedy, prefill, prefill_logits
+from .scoring import perplexity
+from .prefilling import MakeCache, fresh_cache, greedy, prefill, prefill_logits
 from .text import bos_id, encode_text
 
 __all__ = ["encode_text", "bos_id", "perplexity", "capture_qkv", "layer_fidelity", "key_statistics", "recording",

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .prefill import greedy
+from .prefilling import greedy, prefill_logits
 
 __all__ = ["top1_agreement", "greedy_agreement"]
 
@@ -21,8 +21,8 @@ def top1_agreement(model, prompt: mx.array, continuation: mx.array, make_cache, 
     ref = reference_cache if reference_cache is not None else make_prompt_cache(model)
     ours = make_cache()
     agree = []
-    a = model(prompt, cache=ref)[:, -1].argmax(-1)
-    b = model(prompt, cache=ours)[:, -1].argmax(-1)
+    a = prefill_logits(model, prompt, ref, prompt.shape[1])[:, -1].argmax(-1)     # the prompt in one chunk
+    b = prefill_logits(model, prompt, ours, prompt.shape[1])[:, -1].argmax(-1)
     agree.append(mx.array_equal(a, b).item())
     for i in range(continuation.shape[1]):
         t = continuation[:, i:i + 1]

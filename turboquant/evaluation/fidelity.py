@@ -46,11 +46,14 @@ def layer_fidelity(captured: list[dict], key_codec: Callable, value_codec=_SAME,
     ``Identity`` to keep values exact. The first ``sink_tokens`` tokens stay exact, as in
     a cache with sink tokens. Returns attention_fidelity's dict per layer plus
     "key_rel_mse" (‖k̂ − k‖² / ‖k‖²)."""
+    from ..checks import deprecated
     if value_codec is None:                     # the old meaning, for one release
-        from ..checks import deprecated
         deprecated("layer_fidelity(value_codec=None) for exact values",
                    "value_codec=Identity (None will mean 'same as keys', as in make_prompt_cache)")
-    elif value_codec is _SAME:
+    elif value_codec is _SAME:                  # changed in #27: say so for one release
+        deprecated("layer_fidelity without value_codec (values were kept exact until #27; now they "
+                   "go through the key codec, as in make_prompt_cache)",
+                   "value_codec=Identity for exact values, or the codec you mean, to silence this")
         value_codec = key_codec
     out = []
     for layer in captured:

@@ -8,7 +8,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..progress import progress as progress_bar
-from .prefill import MakeCache, fresh_cache, greedy
+from .prefilling import MakeCache, fresh_cache, greedy
 from .text import encode_text
 
 __all__ = ["needle_prompt", "needle_accuracy", "needle_values", "NEEDLE", "QUESTION", "NEEDLE_VALUES"]

@@ -30,21 +30,21 @@ import mlx.core as mx
 from ..checks import deprecated
 from ..codecs.table import KernelSpec, set_accelerator
 from . import source
-from .backend import (Backend, LaunchBackend, encode, encode_fits, encode_groups, fits, rotated_values, spec_for,
-                      unit_scores, value_splits)
+from .backend import (Backend, LaunchBackend, as_backend, encode, encode_fits, encode_groups, fits, rotated_values,
+                      spec_for, unit_scores, value_splits)
 from .select import (active, adopt, backend_name, cpu_kernels_backend, emulated, emulation_backend, env_mode,
                      gpu_backend, use, why)
 from .verified import VERIFIED
 
-__all__ = ["KernelSpec", "Backend", "LaunchBackend", "spec_for", "backend_name", "active", "use", "why",
+__all__ = ["KernelSpec", "Backend", "LaunchBackend", "as_backend", "spec_for", "backend_name", "active", "use", "why",
            "env_mode", "adopt", "self_check", "gpu_backend", "cpu_kernels_backend", "emulation_backend",
            "emulated", "fits", "encode_fits", "encode", "unit_scores", "rotated_values", "encode_groups",
            "value_splits", "VERIFIED", "source"]
 
 
-def self_check(backend: Backend) -> str | None:
+def self_check(backend) -> str | None:
     """``backend.self_check()``: None when it reproduces the mx path, else what differed."""
-    return backend.self_check()
+    return as_backend(backend).self_check()
 
 
 def cpu_backend():
@@ -59,19 +59,23 @@ def fast_cpu_backend():
     return cpu_kernels_backend()
 
 
+cpu_backend.cache_clear = emulation_backend.cache_clear          # they were lru_cache'd
+fast_cpu_backend.cache_clear = cpu_kernels_backend.cache_clear
+
+
 class _Dispatch:
     """What the rotated-table codecs call (``codecs.table.set_accelerator``): the active
     back-end's kernels when one is active and takes the launch, else None (the mx path)."""
 
     def encode(self, codec, x: mx.array):
-        backend = active()
+        backend = as_backend(active())
         if backend is None or x.size == 0:
             return None
         spec = codec.kernel_spec()
         return backend.encode(spec, x) if backend.takes_encode(spec, x.size // x.shape[-1]) else None
 
     def scores(self, codec, q_rot: mx.array, idx: mx.array):
-        backend = active()
+        backend = as_backend(active())
         if backend is None:
             return None
         B, Hk, R, Tq, _ = q_rot.shape
@@ -80,7 +84,7 @@ class _Dispatch:
             else None
 
     def values(self, codec, w: mx.array, idx: mx.array):
-        backend = active()
+        backend = as_backend(active())
         if backend is None:
             return None
         B, Hk, R, Tq, T = w.shape
@@ -91,7 +95,7 @@ class _Dispatch:
         """Decode attention in one call, q (B, H_kv, R, Tq, D) unrotated and unscaled → the
         output (B, H_kv, R, Tq, D), when the active back-end takes it (the CPU kernels, a
         few queries per kv head) and both codecs are rotated tables; else None."""
-        backend = active()
+        backend = as_backend(active())
         if backend is None or spec_for(kc) is None or spec_for(vc) is None or not backend.takes_attend(q):
             return None
         return backend.attend(kc.kernel_spec(), kcode, vc.kernel_spec(), vcode, q, scale)

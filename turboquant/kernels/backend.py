@@ -25,7 +25,7 @@ from ..codecs.base import from_config
 from ..codecs.table import KernelSpec, RotatedTable
 from . import source
 
-__all__ = ["Backend", "LaunchBackend", "MxKernels", "spec_for", "fits", "encode_fits", "encode",
+__all__ = ["Backend", "LaunchBackend", "MxKernels", "as_backend", "spec_for", "fits", "encode_fits", "encode",
            "unit_scores", "rotated_values", "encode_groups", "value_splits"]
 
 _INT_MAX = 2 ** 31 - 1
@@ -193,6 +193,26 @@ class LaunchBackend(Backend):
             if not err < 1e-5:
                 return f"{codec!r}: value sums differ by {err:.3g}"
         return None
+
+
+class _Launcher(LaunchBackend):
+    """A ``LaunchBackend`` around an object that has only ``run`` (the contract before #27)."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, getattr(inner, "name", type(inner).__name__)
+
+    def run(self, op, inputs, template, threads, out_shapes, out_dtypes):
+        return self.inner.run(op, inputs, template, threads, out_shapes, out_dtypes)
+
+
+def as_backend(obj):
+    """``obj`` as a ``Backend``: itself, None for None, and an object that has only ``run``
+    (a kernel launcher, the contract before ``Backend``) wrapped as a ``LaunchBackend``."""
+    if obj is None or isinstance(obj, Backend):
+        return obj
+    if hasattr(obj, "run"):
+        return _Launcher(obj)
+    raise TypeError(f"{type(obj).__name__} is not a kernel back-end (no Backend methods, no run)")
 
 
 class MxKernels(LaunchBackend):

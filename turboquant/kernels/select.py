@@ -37,9 +37,10 @@ def env_mode() -> str:
 
 def adopt(make):
     """``make()`` if the back-end it builds passes its ``self_check``, else None (and a warning)."""
+    from .backend import as_backend
     try:
         backend = make()
-        problem = backend.self_check()
+        problem = as_backend(backend).self_check()
     except Exception as e:                                   # compile or launch failure
         backend, problem = None, f"{type(e).__name__}: {e}"
     if problem is not None:

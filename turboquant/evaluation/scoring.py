@@ -13,7 +13,7 @@ import mlx.nn as nn
 
 from ..memory import measured_bits
 from ..progress import progress as progress_bar
-from .prefill import MakeCache, fresh_cache, prefill
+from .prefilling import MakeCache, fresh_cache, prefill
 
 __all__ = ["perplexity"]
 
