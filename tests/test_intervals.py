@@ -1,0 +1,80 @@
+"""The paired block bootstrap of ``turboquant.evaluation.intervals`` against cases with a
+known answer."""
+import numpy as np
+import pytest
+
+from turboquant.evaluation.intervals import Interval, difference, mean_rate, ppl_increase, resample
+
+
+def _windows(W=400, n=511, delta=0.01, sigma=0.02, hard=0.5, seed=0):
+    """Per-window NLL sums: the reference 3 nats per token plus a per-window difficulty
+    (shared by every cache: ``hard``), a configuration ``delta`` nats worse per token with
+    per-window noise ``sigma``."""
+    rng = np.random.default_rng(seed)
+    counts = np.full(W, n, dtype=float)
+    difficulty = hard * rng.standard_normal(W)
+    ref = counts * (3.0 + difficulty)
+    cfg = ref + counts * (delta + sigma * rng.standard_normal(W))
+    return ref, cfg, counts
+
+
+def test_identical_configurations_differ_by_exactly_zero():
+    ref, cfg, n = _windows()
+    d = difference(cfg, cfg, ref, n)
+    assert d == Interval(0.0, 0.0, 0.0) and d.holds_zero
+    both = np.stack([cfg, cfg + n * 0.05])                    # two seeds, also identical on both sides
+    assert difference(both, both, ref, n) == Interval(0.0, 0.0, 0.0)
+
+
+def test_the_interval_has_the_width_the_variance_implies():
+    """Per-window noise σ per token over W windows: the mean's standard error is σ/√W, so the
+    95 % interval of Δppl is about 100·(±1.96 σ/√W) around 100·(e^δ − 1)."""
+    W, sigma, delta = 400, 0.02, 0.01
+    ref, cfg, n = _windows(W=W, sigma=sigma, delta=delta)
+    r = ppl_increase(cfg, ref, n)
+    assert r.lo < r.value < r.hi
+    half = (r.hi - r.lo) / 2
+    assert half == pytest.approx(100 * 1.96 * sigma / np.sqrt(W), rel=0.15)
+    assert r.lo < 100 * (np.exp(delta) - 1) < r.hi
+
+
+def test_pairing_removes_what_every_cache_shares():
+    """Hard windows are hard for every cache: with pairing their spread (here 25 times the
+    noise) leaves the interval of Δppl unchanged."""
+    narrow = ppl_increase(*[_windows(hard=0.0)[i] for i in (1, 0, 2)])
+    wide = ppl_increase(*[_windows(hard=0.5)[i] for i in (1, 0, 2)])
+    assert (wide.hi - wide.lo) == pytest.approx(narrow.hi - narrow.lo, rel=0.05)
+
+
+def test_a_difference_inside_the_noise_holds_zero_and_one_outside_does_not():
+    ref, a, n = _windows(delta=0.010, seed=1)
+    _, b, _ = _windows(delta=0.011, seed=2)                   # 0.1 % apart, noise ±0.28 %
+    assert difference(a, b, ref, n).holds_zero
+    _, c, _ = _windows(delta=0.03, seed=3)                    # 2 % apart
+    d = difference(c, a, ref, n)
+    assert not d.holds_zero and d.lo > 1.0
+
+
+def test_seeds_widen_the_interval_by_their_spread():
+    ref, cfg, n = _windows(sigma=0.005)
+    one = ppl_increase(cfg, ref, n)
+    seeds = np.stack([cfg + n * s for s in (-0.01, 0.0, 0.01)])   # rotations ±1 % apart
+    three = ppl_increase(seeds, ref, n)
+    assert three.value == pytest.approx(one.value, abs=1e-9)      # the mean over seeds
+    assert (three.hi - three.lo) > 2 * (one.hi - one.lo)
+
+
+def test_rates_and_resamples():
+    n = np.full(50, 100.0)
+    top1 = np.full(50, 90.0)
+    r = mean_rate(top1, n)
+    assert r == Interval(0.9, 0.9, 0.9)
+    idx = resample(50, n_boot=10, seed=3)
+    assert idx.shape == (10, 50) and idx.min() >= 0 and idx.max() < 50
+    assert np.array_equal(idx, resample(50, n_boot=10, seed=3))       # seeded
+    with pytest.raises(ValueError, match="windows"):
+        ppl_increase(np.zeros(3), np.zeros(4), np.ones(4))
+    with pytest.raises(ValueError, match="NaN"):
+        ppl_increase(np.array([np.nan, 0.0]), np.zeros(2), np.ones(2))
+    with pytest.raises(ValueError, match="at least one window"):
+        resample(0)
