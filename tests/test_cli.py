@@ -28,7 +28,30 @@ def test_eval_lists_and_runs_a_small_comparison(tmp_path, capsys):
     assert "TQ-mse 2" in capsys.readouterr().out
 
 
+def test_eval_prints_intervals_seeds_and_a_paired_difference(tmp_path, capsys):
+    """#28: every row with its 95 % interval; --seeds scores a seeded codec with several
+    rotations (the row pools them); --diff of a configuration with itself is exactly 0."""
+    import json
+    out = tmp_path / "r.json"
+    assert cli.main(["eval", "--configs", "TQ-mse 3", "uniform 3", "--tokens", "768", "--window", "256",
+                     "--agreement-tokens", "0", "--fidelity-tokens", "0", "--seeds", "2", "--quiet",
+                     "--diff", "TQ-mse 3", "TQ-mse 3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "3 windows of 256 tokens; 95 % intervals: paired block bootstrap" in printed
+    assert "TQ-mse 3 − TQ-mse 3: +0.00 points of Δppl, 95 % interval [+0.00, +0.00]: indistinguishable" in printed
+    res = json.loads(out.read_text())["results"]
+    tq3, uni = res["TQ-mse 3"], res["uniform 3"]
+    assert tq3["seeds"] == 2 and len(tq3["per_window"]["nll"]) == 2 and len(tq3["per_window"]["nll"][0]) == 3
+    assert uni["seeds"] == 1                                 # no rotation: nothing to reseed
+    assert tq3["per_window"]["nll"][0] != tq3["per_window"]["nll"][1]      # another rotation, other codes
+    i = tq3["intervals"]["ppl_increase"]
+    assert i["lo"] <= 100 * tq3["ppl_increase"] <= i["hi"] and i["lo"] < i["hi"]
+    assert res["fp32"]["intervals"]["ppl_increase"] == {"value": 0.0, "lo": 0.0, "hi": 0.0}
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["eval", "--diff", "fp32", "nosuch"], "argument --diff: unknown configuration 'nosuch'"),
+    (["eval", "--seeds", "0"], "argument --seeds: must be >= 1"),
     (["eval", "--tokens", "0"], "argument --tokens: must be >= 2, got 0"),
     (["eval", "--tokens", "-5"], "argument --tokens: must be >= 2, got -5"),
     (["eval", "--tokens", "abc"], "argument --tokens: expected an integer"),

@@ -200,7 +200,13 @@ def _eval(args) -> int:
     if args.tokens < args.window:
         args.parser.error(f"argument --tokens: {args.tokens} tokens are fewer than one --window of "
                           f"{args.window}; give --tokens >= --window")
+    for name in args.diff or ():
+        if name not in CONFIGS:
+            args.parser.error(f"argument --diff: unknown configuration {name!r}; see --list")
+    if args.diff:
+        names = names + [n for n in args.diff if n not in names]
     from .models import load
+    from .suite import diff
     if "fp32" not in names:
         names = ["fp32"] + names          # the reference every increase is measured against
     model, tok = load(args.model)
@@ -208,10 +214,19 @@ def _eval(args) -> int:
                       agreement_tokens=args.agreement_tokens, fidelity_tokens=args.fidelity_tokens,
                       needle_contexts=args.needle_contexts, corpus=args.corpus, progress=not args.quiet,
                       model_name=f"{args.model} (float32)", calibration_corpus=args.calibration_corpus,
-                      compare=args.compare, needle_values=args.needle_values)
-    print(f"{'configuration':32s} {'bits':>6} {'ppl':>9} {'Δppl %':>8}")
+                      compare=args.compare, needle_values=args.needle_values, seeds=args.seeds)
+    windows = result["results"]["fp32"]["per_window"]["n"]
+    print(f"{len(windows)} windows of {args.window} tokens; 95 % intervals: paired block bootstrap over windows"
+          + (f", {args.seeds} rotation seeds where a configuration draws one" if args.seeds > 1 else ""))
+    print(f"{'configuration':32s} {'bits':>6} {'ppl':>9} {'Δppl %':>8}  {'95 % interval':>18}")
     for name, _, bits, ppl, inc in frontier_rows(result):
-        print(f"{name:32s} {bits:>6.3g} {ppl:>9.3f} {inc:>+8.2f}")
+        i = result["results"][name]["intervals"]["ppl_increase"]
+        print(f"{name:32s} {bits:>6.3g} {ppl:>9.3f} {inc:>+8.2f}  [{i['lo']:>+7.2f}, {i['hi']:>+7.2f}]")
+    if args.diff:
+        d = diff(result, *args.diff)
+        result["diff"] = d
+        print(f"{d['a']} − {d['b']}: {d['value']:+.2f} points of Δppl, 95 % interval "
+              f"[{d['lo']:+.2f}, {d['hi']:+.2f}]: {d['verdict']}")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -390,6 +405,10 @@ def main(argv=None) -> int:
                    help="text the calibrated configurations are fitted on (default: the other corpus)")
     e.add_argument("--compare", action="store_true",
                    help="also KL divergence from fp32 and top-1 agreement on every scored token")
+    e.add_argument("--seeds", type=_int_at_least(1), default=1,
+                   help="rotation seeds for configurations that draw one (intervals then cover the seed)")
+    e.add_argument("--diff", nargs=2, metavar=("A", "B"), default=None,
+                   help="also print Δppl(A) − Δppl(B) with its paired interval (A and B are scored too)")
     e.add_argument("--out", default=None, help="write the results as JSON here")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(run=_eval)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -23,7 +23,7 @@ from .codecs import AffineCodec, FibQuant, OutlierSplit, PolarQuant, TurboQuantP
 from .data import load_text
 from .prompt_cache import make_prompt_cache
 
-__all__ = ["mse_config", "best_under", "Config", "Reference", "MlxQuantized", "Kivi", "Codecs", "Calibrated", "Profile",
+__all__ = ["mse_config", "best_under", "add_intervals", "diff", "Config", "Reference", "MlxQuantized", "Kivi", "Codecs", "Calibrated", "Profile",
            "CONFIGS", "CHAPTER_CONFIGS", "evaluate", "frontier_rows"]
 
 
@@ -83,6 +83,11 @@ class Config(metaclass=_LegacyConstructor):
     def fidelity_codecs(self) -> Optional[tuple]:
         """(key factory, value factory, sink tokens) for per-layer attention fidelity, or None
         when the configuration has no codec factories (mlx-lm, KIVI, calibrated, fp32)."""
+        return None
+
+    def seeded(self, offset: int, dim: int) -> Optional["Config"]:
+        """The same configuration with every random rotation or projection drawn from seed +
+        ``offset``, or None when nothing in it is random (``evaluate(seeds=…)``)."""
         return None
 
 
@@ -161,6 +166,34 @@ class Codecs(Config):
 
     def fidelity_codecs(self):
         return self.key, self.value or self.key, self.sink_tokens
+
+    def seeded(self, offset: int, dim: int):
+        value = self.value or self.key
+        if not (_random(self.key(dim).config()) or _random(value(dim).config())):
+            return None
+        return replace(self, key=_reseeded(self.key, offset), value=_reseeded(value, offset))
+
+
+def _random(config) -> bool:
+    """Whether a codec configuration draws something from its seed (a rotation or a projection;
+    an affine codec without a rotation has a seed but draws nothing)."""
+    if isinstance(config, dict):
+        if "seed" in config and config.get("rotation", "drawn") not in (None, "none"):
+            return True
+        return any(_random(v) for v in config.values())
+    return isinstance(config, list) and any(_random(v) for v in config)
+
+
+def _shift_seeds(config, offset: int):
+    if isinstance(config, dict):
+        return {k: (v + offset if k == "seed" else _shift_seeds(v, offset)) for k, v in config.items()}
+    return [_shift_seeds(v, offset) for v in config] if isinstance(config, list) else config
+
+
+def _reseeded(factory, offset: int):
+    """``factory`` (dim → codec) with every seed of the codecs it makes moved by ``offset``."""
+    from .codecs import from_config
+    return lambda d: from_config(_shift_seeds(factory(d).config(), offset))
 
 
 @dataclass(frozen=True)
@@ -289,7 +322,7 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
              corpus: str = "wikipedia", progress: bool = True,
              model_name: str = "SmolLM2-135M-Instruct (GGUF Q4_1 → float32)",
              calibration_corpus: Optional[str] = None, calibration_windows: int = 8,
-             compare: bool = False, needle_values: int = 4) -> dict:
+             compare: bool = False, needle_values: int = 4, seeds: int = 1) -> dict:
     """Score each named configuration on the same tokens; returns a JSON-able dict:
     {"setup": …, "results": {name: {ppl, ppl_increase, bits, measured_bits, agreement,
     fidelity: [per-layer cos], needle: {context: accuracy}, kl, top1}}}.
@@ -299,7 +332,17 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
     profile configurations need a profile calibrated on another text than ``corpus``. ``compare`` adds the mean KL
     divergence from fp32 and the teacher-forced top-1 agreement on every scored token.
     The needle test runs ``needle_values`` secret codes at each depth (trials per context:
-    values × depths)."""
+    values × depths).
+
+    Every row keeps its per-window sums ("per_window": NLL, scored tokens and, with
+    ``compare``, KL and top-1 — one list per rotation seed) and, when fp32 is among the
+    names, 95 % intervals ("intervals") of the perplexity increase, KL and top-1 from a
+    paired block bootstrap over windows (``evaluation.intervals``; all rows share the same
+    resamples). With ``seeds`` > 1, configurations that draw a random rotation or
+    projection are scored with ``seeds`` seeds (seed, seed + 1, …: ``Config.seeded``) and
+    their numbers pool the seeds; agreement, fidelity and needles use the first."""
+    from .checks import check_int
+    seeds = check_int("seeds", seeds, 1)
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configuration(s) {unknown}; known: {sorted(CONFIGS)}")
@@ -337,10 +380,23 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
         t0 = time.time()
         r = tqeval.perplexity(model, ids, mk, window=window, chunk=chunk, bos=bos,
                               compare=compare and mk is not None)
+        runs = [r]
+        for offset in range(1, seeds):
+            other = cfg.seeded(offset, D)
+            if other is None:
+                break
+            runs.append(tqeval.perplexity(model, ids, other.make_cache(model, stats), window=window, chunk=chunk,
+                                          bos=bos, compare=compare and mk is not None))
+        per = {k: [run["per_window"][k] for run in runs] for k in r["per_window"] if k != "n"}
+        per["n"] = r["per_window"]["n"]
+        nll = sum(sum(x) for x in per["nll"]) / (len(runs) * sum(per["n"]))
         row = {"family": cfg.family, "note": cfg.note, "bits": cfg.bits(D),
-               "measured_bits": r["bits"], "ppl": r["ppl"], "nll": r["nll"]}
+               "measured_bits": r["bits"], "ppl": math.exp(nll), "nll": nll, "seeds": len(runs),
+               "per_window": per}
         if compare:
-            row["kl"], row["top1"] = r.get("kl", 0.0), r.get("top1", 1.0)
+            n_all = len(runs) * sum(per["n"])
+            row["kl"] = sum(sum(x) for x in per["kl"]) / n_all if "kl" in per else 0.0
+            row["top1"] = sum(sum(x) for x in per["top1"]) / n_all if "top1" in per else 1.0
         if agreement_tokens and mk is not None:
             row["agreement"] = tqeval.greedy_agreement(model, prompt, agreement_tokens, mk)
         elif agreement_tokens:
@@ -358,13 +414,15 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
     ref = results.get("fp32", {}).get("ppl")
     for row in results.values():
         row["ppl_increase"] = (row["ppl"] / ref - 1) if ref else None
+    if "fp32" in results:
+        add_intervals(results)
     return {"setup": {"model": model_name, "corpus": corpus, "bos": bos,
                       "calibration": {"corpus": calibration_corpus, "windows": calibration_windows}
                       if calibrated else None, "compare": compare,
                       "tokens": tokens, "window": window, "chunk": chunk,
                       "agreement_tokens": agreement_tokens, "fidelity_tokens": fidelity_tokens,
                       "needle_contexts": list(needle_contexts), "needle_depths": list(needle_depths),
-                      "needle_values": needle_values,
+                      "needle_values": needle_values, "seeds": seeds,
                       "machine": platform.machine(), "mlx": mx.__version__,
                       "seconds": time.time() - start},
             "results": results}
@@ -378,6 +436,39 @@ def frontier_rows(result: dict) -> list[tuple]:
         rows.append((name, r["family"], r["bits"], r["ppl"],
                      float("nan") if inc is None else 100 * inc))
     return sorted(rows, key=lambda t: (t[2], t[3] if not math.isnan(t[3]) else 0))
+
+
+def add_intervals(results: dict, n_boot: int = 2000, seed: int = 0) -> None:
+    """Add "intervals" to every row of ``results`` (``evaluate``'s "results", fp32 among them):
+    95 % intervals of the perplexity increase (%), and with ``compare`` of the mean KL and
+    the top-1 agreement, from one paired block bootstrap over windows shared by all rows."""
+    from .evaluation import intervals as iv
+    ref = results["fp32"]["per_window"]
+    n = ref["n"]
+    windows = iv.resample(len(n), n_boot, seed)
+    for row in results.values():
+        per = row["per_window"]
+        out = {"ppl_increase": iv.ppl_increase(per["nll"], ref["nll"], n, windows).as_dict()}
+        if "kl" in per:
+            out["kl"] = iv.mean_rate(per["kl"], n, windows).as_dict()
+            out["top1"] = iv.mean_rate(per["top1"], n, windows).as_dict()
+        row["intervals"] = out
+
+
+def diff(result: dict, a: str, b: str, n_boot: int = 2000, seed: int = 0) -> dict:
+    """The perplexity increase of ``a`` minus that of ``b`` (percentage points) with its 95 %
+    interval from the paired block bootstrap, and a verdict: "indistinguishable" when the
+    interval holds 0, else which is better."""
+    from .evaluation import intervals as iv
+    rows = result["results"]
+    missing = [x for x in (a, b, "fp32") if x not in rows]
+    if missing:
+        raise ValueError(f"--diff needs {missing} among the scored configurations")
+    n = rows["fp32"]["per_window"]["n"]
+    d = iv.difference(rows[a]["per_window"]["nll"], rows[b]["per_window"]["nll"], rows["fp32"]["per_window"]["nll"],
+                      n, iv.resample(len(n), n_boot, seed))
+    verdict = "indistinguishable" if d.holds_zero else (f"{a} better" if d.value < 0 else f"{b} better")
+    return {"a": a, "b": b, **d.as_dict(), "verdict": verdict}
 
 
 def mse_config(key_bits: Optional[int] = None, value_bits: Optional[int] = None, center_keys: bool = False,

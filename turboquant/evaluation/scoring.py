@@ -34,7 +34,9 @@ def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, windo
     With ``compare``, every window also runs through a full-precision cache, and the
     result adds "kl" (mean KL divergence of the next-token distribution from the
     full-precision one, nats) and "top1" (fraction of scored positions whose most likely
-    next token is the same): both teacher-forced on the same tokens."""
+    next token is the same): both teacher-forced on the same tokens. "per_window" keeps the
+    sums per window ({"nll", "n"} and, with ``compare``, {"kl", "top1"}): what
+    ``evaluation.intervals`` resamples."""
     tokens = list(tokens)
     if window < 2 or chunk < 1:
         raise ValueError(f"window must be ≥ 2 and chunk ≥ 1, got window={window}, chunk={chunk}")
@@ -43,12 +45,13 @@ def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, windo
         raise ValueError(f"{len(tokens)} tokens are fewer than one window of {window}")
     head = [] if bos is None else [int(bos)]
     total, count, bits, kl, top1 = 0.0, 0, None, 0.0, 0
+    per = {"nll": [], "n": []} if not compare else {"nll": [], "n": [], "kl": [], "top1": []}
     for w in progress_bar(range(n_win), n_win, "perplexity", progress):
         x = mx.array(head + tokens[w * window:(w + 1) * window])[None]
         first = len(head) + 1                       # index in x of the first scored token
         cache = fresh_cache(model, make_cache)
         ref = fresh_cache(model, None) if compare else None
-        nll = 0.0
+        nll, kl_w, top1_w = 0.0, 0.0, 0
         exacts = prefill(model, x, ref, chunk) if compare else repeat((None, None))
         for (i, logits), (_, exact) in zip(prefill(model, x, cache, chunk), exacts):
             lo = max(i, first - 1)                  # positions i..i+c−1 predict i+1..i+c
@@ -59,14 +62,21 @@ def perplexity(model, tokens: Sequence[int], make_cache: MakeCache = None, windo
                 if compare:
                     lp = logits[:, lo - i:hi - i] - mx.logsumexp(logits[:, lo - i:hi - i], axis=-1, keepdims=True)
                     lr = exact[:, lo - i:hi - i] - mx.logsumexp(exact[:, lo - i:hi - i], axis=-1, keepdims=True)
-                    kl += mx.sum(mx.exp(lr) * (lr - lp)).item()
-                    top1 += mx.sum(lp.argmax(-1) == lr.argmax(-1)).item()
+                    kl_w += mx.sum(mx.exp(lr) * (lr - lp)).item()
+                    top1_w += mx.sum(lp.argmax(-1) == lr.argmax(-1)).item()
         total += nll
         count += window - 1
+        kl += kl_w
+        top1 += top1_w
+        per["nll"].append(nll)
+        per["n"].append(window - 1)
+        if compare:
+            per["kl"].append(kl_w)
+            per["top1"].append(top1_w)
         if bits is None:
             bits = measured_bits(model, cache)
     out = {"ppl": math.exp(total / count), "nll": total / count, "n_scored": count,
-           "windows": n_win, "bits": bits}
+           "windows": n_win, "bits": bits, "per_window": per}
     if compare:
         out.update(kl=kl / count, top1=top1 / count)
     return out
