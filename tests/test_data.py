@@ -27,3 +27,23 @@ def test_clean_wiki_rules():
 def test_unknown_corpus():
     with pytest.raises(ValueError, match="unknown corpus"):
         load_text("imdb")
+
+
+def test_the_other_domains_are_what_they_say():
+    """#28: held-out domains besides prose and news — review sentences (gensim), Python
+    source and documentation (the running Python's standard library)."""
+    import sys
+    from turboquant.data import CODE_MODULES, DOC_MODULES, DOMAINS, corpus_info
+    assert set(DOMAINS) == {"wikipedia", "lee", "reviews", "code", "docs"}
+    reviews = load_articles("reviews")
+    assert len(reviews) == 200 and not any(t.startswith("__label__") for _, t in reviews)
+    assert reviews[0][1] == "simplistic , silly and tedious ."
+    code = load_text("code")
+    assert code.startswith('"""Implementation of JSONDecoder') and "\ndef " in code and "class ArgumentParser" in code
+    assert [t for t, _ in load_articles("code")] == list(CODE_MODULES)
+    docs = load_text("docs")
+    assert docs.startswith("pathlib\n\npathlib.PurePath\n\nBase class for manipulating paths")
+    assert [t for t, _ in load_articles("docs")] == list(DOC_MODULES)
+    assert f"Python {sys.version.split()[0]}" in corpus_info("code") and "gensim" in corpus_info("reviews")
+    with pytest.raises(ValueError, match="choose one of .'code', 'docs', 'lee', 'reviews', 'wikipedia'"):
+        load_text("verse")

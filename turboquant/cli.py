@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from . import memory
+from .data import DOMAINS
 from .checks import check_out_file
 
 
@@ -376,7 +377,7 @@ def main(argv=None) -> int:
     c.add_argument("--model", default="smollm2-135m", help=f"{names}, or the path of an mlx-lm model folder")
     c.add_argument("--budgets", type=float, nargs="+", default=[2.25, 3.25, 4.25],
                    help="bits per coordinate (side information included)")
-    c.add_argument("--corpus", choices=["wikipedia", "lee"], default="wikipedia",
+    c.add_argument("--corpus", choices=sorted(DOMAINS), default="wikipedia",
                    help="calibration text (evaluate on the other one)")
     c.add_argument("--text", default=None, help="a UTF-8 text file to calibrate on instead of --corpus")
     c.add_argument("--windows", type=_int_at_least(1), default=8, help="512-token calibration windows")
@@ -400,8 +401,8 @@ def main(argv=None) -> int:
     e.add_argument("--needle-contexts", type=_int_at_least(64), nargs="*", default=[], help="needle test context lengths")
     e.add_argument("--needle-values", type=_int_at_least(1), default=4,
                    help="secret codes per depth (three depths: trials per context = 3 × this)")
-    e.add_argument("--corpus", choices=["wikipedia", "lee"], default="wikipedia", help="evaluation text")
-    e.add_argument("--calibration-corpus", choices=["wikipedia", "lee"], default=None,
+    e.add_argument("--corpus", choices=sorted(DOMAINS), default="wikipedia", help="evaluation text")
+    e.add_argument("--calibration-corpus", choices=sorted(DOMAINS), default=None,
                    help="text the calibrated configurations are fitted on (default: the other corpus)")
     e.add_argument("--compare", action="store_true",
                    help="also KL divergence from fp32 and top-1 agreement on every scored token")
@@ -436,7 +437,7 @@ def main(argv=None) -> int:
     bg.add_argument("--new-tokens", type=_int_at_least(1), default=32, help="timed greedy tokens per cache")
     bg.add_argument("--bits", type=_int_at_least(1), nargs="+", default=[4],
                     help="TurboQuant_mse index bits per coordinate (the fp16 norm adds 16/D)")
-    bg.add_argument("--corpus", choices=["wikipedia", "lee"], default="lee", help="prompt text")
+    bg.add_argument("--corpus", choices=sorted(DOMAINS), default="lee", help="prompt text")
     bg.add_argument("--out", default=None, help="write the results as JSON here")
     bg.add_argument("--quiet", action="store_true", help="no progress lines")
     bg.set_defaults(run=_bench_generate)

@@ -7,6 +7,19 @@ Two corpora ship as test data inside the ``gensim`` wheel:
   rules for what it leaves (bold/italic quotes, ``== headings ==``, blank-line runs);
 * ``"lee"``: the Lee news corpus (``lee_background.cor``, 300 short news articles).
 
+Three more domains, for measuring on text that is neither prose nor news (nothing is
+calibrated or tuned on them):
+
+* ``"reviews"``: the Pang–Lee sentence polarity corpus in the same wheel
+  (``pang_lee_polarity.cor``: short movie-review sentences, lower-cased and tokenized as
+  shipped, labels removed);
+* ``"code"``: Python source — the files of ``CODE_MODULES`` from the running Python's
+  standard library (PSF licence), comments and all;
+* ``"docs"``: technical documentation — the docstrings of ``DOC_MODULES`` from the same
+  standard library (module, classes, functions, methods; ``inspect.getdoc``).
+
+The last two depend on the Python version; ``corpus_info(name)`` says which.
+
 ``load_text(name)`` returns one string, articles separated by blank lines, and keeps it in
 memory after the first call. Nothing is downloaded.
 """
@@ -18,18 +31,36 @@ import importlib.util
 import re
 from pathlib import Path
 
-__all__ = ["CORPORA", "corpus_path", "load_text", "load_articles", "clean_wiki"]
+__all__ = ["CORPORA", "DOMAINS", "CODE_MODULES", "DOC_MODULES", "corpus_path", "corpus_info", "load_text",
+           "load_articles", "clean_wiki"]
 
-CORPORA = {
+CORPORA = {                                        # files in the gensim wheel's test data
     "wikipedia": "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",
     "lee": "lee_background.cor",
+    "reviews": "pang_lee_polarity.cor",
 }
+CODE_MODULES = ("json.decoder", "json.encoder", "textwrap", "argparse", "difflib", "fractions", "statistics",
+                "heapq", "bisect", "dataclasses", "shlex", "calendar", "csv", "ipaddress")
+DOC_MODULES = ("pathlib", "collections", "itertools", "functools", "string", "re", "datetime", "decimal",
+               "random", "os.path", "shutil", "subprocess", "logging", "unittest.case")
+DOMAINS = {"wikipedia": "encyclopaedic prose", "lee": "news", "reviews": "movie-review sentences",
+           "code": "Python source", "docs": "technical documentation"}
+
+
+def corpus_info(name: str) -> str:
+    """Where corpus ``name`` comes from, in one line (with the Python version for the
+    standard-library domains)."""
+    import sys
+    if name in ("code", "docs"):
+        mods = CODE_MODULES if name == "code" else DOC_MODULES
+        return f"{DOMAINS[name]}: Python {sys.version.split()[0]} standard library ({', '.join(mods)})"
+    return f"{DOMAINS[name]}: {corpus_path(name).name} (gensim test data)"
 
 
 def corpus_path(name: str) -> Path:
     """Path of corpus ``name`` inside the installed gensim wheel (gensim is not imported)."""
     if name not in CORPORA:
-        raise ValueError(f"unknown corpus {name!r}; choose one of {sorted(CORPORA)}")
+        raise ValueError(f"unknown corpus {name!r}; choose one of {sorted(DOMAINS)}")
     spec = importlib.util.find_spec("gensim")
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("the gensim package is not installed: `pip install gensim` provides the corpora")
@@ -59,10 +90,18 @@ def clean_wiki(markup: str) -> str:
 @functools.lru_cache(maxsize=None)
 def load_articles(name: str) -> tuple[tuple[str, str], ...]:
     """((title, text), …) for corpus ``name`` in file order; empty articles and redirects dropped."""
+    if name == "code":
+        return tuple((m, _module_file(m).read_text(encoding="utf-8").strip()) for m in CODE_MODULES)
+    if name == "docs":
+        return tuple((m, _docstrings(m)) for m in DOC_MODULES)
     path = corpus_path(name)
     if name == "lee":
         lines = path.read_text(encoding="utf-8").splitlines()
         return tuple((f"lee-{i}", ln.strip()) for i, ln in enumerate(lines) if ln.strip())
+    if name == "reviews":                          # Windows-1252 as shipped (0x97: an em dash)
+        lines = path.read_text(encoding="cp1252", errors="replace").splitlines()
+        return tuple((f"review-{i}", ln.split(" ", 1)[1].strip()) for i, ln in enumerate(lines)
+                     if ln.startswith("__label__") and " " in ln and ln.split(" ", 1)[1].strip())
     from gensim.corpora.wikicorpus import extract_pages
     out = []
     with bz2.open(path, "rb") as f:
@@ -75,8 +114,38 @@ def load_articles(name: str) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _module_file(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        raise ValueError(f"the standard-library module {name!r} has no Python source here")
+    return Path(spec.origin)
+
+
+def _docstrings(name: str) -> str:
+    """The docstrings of a standard-library module, its public classes, functions and
+    methods, in source order, each under its qualified name."""
+    import importlib
+    import inspect
+    mod = importlib.import_module(name)
+    parts = [f"{name}\n\n{inspect.getdoc(mod) or ''}".strip()]
+    for attr, obj in vars(mod).items():
+        if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+            continue
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            doc = inspect.getdoc(obj)
+            if doc:
+                parts.append(f"{name}.{attr}\n\n{doc}")
+            if inspect.isclass(obj):
+                for m, f in vars(obj).items():
+                    if not m.startswith("_") and inspect.isfunction(f) and inspect.getdoc(f):
+                        parts.append(f"{name}.{attr}.{m}\n\n{inspect.getdoc(f)}")
+    return "\n\n".join(parts)
+
+
 @functools.lru_cache(maxsize=None)
 def load_text(name: str = "wikipedia") -> str:
-    """Corpus ``name`` ("wikipedia" or "lee") as one clean string, articles separated by a
-    blank line; cached after the first call."""
+    """Corpus ``name`` (``DOMAINS``: "wikipedia", "lee", "reviews", "code", "docs") as one
+    clean string, articles separated by a blank line; cached after the first call."""
+    if name not in DOMAINS:
+        raise ValueError(f"unknown corpus {name!r}; choose one of {sorted(DOMAINS)}")
     return "\n\n".join(text for _, text in load_articles(name))
