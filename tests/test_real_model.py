@@ -136,6 +136,10 @@ def test_measured_bits_count_every_byte_of_the_tokens_held(smol):
         model(mx.array([[355]]), cache=cache)          # one decode step: a ring is back to its window
         assert measured_bits(model, cache) == 3.25
         assert fp16_cache_bytes(model, cache) == len(cache) * held * 2 * 3 * 64 * 2
+    from mlx_lm.models.cache import QuantizedKVCache                  # no size() of its own: its offset
+    cache = [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers]
+    model(mx.array([list(range(100, 356))]), cache=cache)
+    assert measured_bits(model, cache) == 5.0                          # 4 + 2·16/64, allocated in 256-steps
 
 
 def test_bitaxon_ring_on_real_keys(smol, wiki):

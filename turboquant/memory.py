@@ -146,8 +146,13 @@ def kv_bytes(tokens: int, kv_heads: int, head_dim: int, bits: float = 16,
 
 def held_tokens(cache: list) -> int:
     """Tokens the caches of a model's prompt cache hold, summed over layers (``size()``: a
-    sliding-window layer holds its window, not every token it has seen)."""
-    return sum(c.size() for c in cache if hasattr(c, "size"))
+    sliding-window layer holds its window, not every token it has seen). A cache that does
+    not implement ``size()`` (mlx-lm's ``QuantizedKVCache`` inherits 0 from ``_BaseCache``)
+    holds its ``offset``."""
+    def held(c) -> int:
+        n = c.size() if hasattr(c, "size") else 0
+        return n if n or not hasattr(c, "offset") else int(c.offset)
+    return sum(held(c) for c in cache)
 
 
 def fp16_cache_bytes(model, cache: list) -> float:
