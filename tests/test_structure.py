@@ -265,3 +265,18 @@ def test_no_module_defines_a_function_or_class_twice():
                     twice.append(f"{name}: {node.name}")
                 seen.add(node.name)
     assert not twice, twice
+
+
+def test_property_docstrings_do_not_read_as_types():
+    """Sphinx's napoleon reads a property docstring's first line "X: y" as the type X; the
+    book build (warnings as errors) then fails on "True when …: …". A first line with a
+    colon must start with a type name (no spaces before the colon)."""
+    bad = []
+    for name, src in _package_sources():
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.FunctionDef) and any(isinstance(d, ast.Name) and d.id == "property"
+                                                         for d in node.decorator_list):
+                first = (ast.get_docstring(node) or "").split("\n")[0]
+                if ": " in first and " " in first.split(": ")[0].strip():
+                    bad.append(f"{name}: {node.name}: {first[:60]!r}")
+    assert not bad, bad

@@ -39,7 +39,7 @@ class Interval:
 
     @property
     def holds_zero(self) -> bool:
-        """True when the interval contains 0: the difference is not established."""
+        """bool: whether the interval contains 0 (then the difference is not established)."""
         return self.lo <= 0.0 <= self.hi
 
     def as_dict(self) -> dict:
