@@ -78,10 +78,11 @@ class QueryTable:
     8 bits) or per block (vector tables), or gathered codewords — and the codec's frame
     (rotation, norm field) are this object's business, not the caller's."""
 
-    def __init__(self, codec: "RotatedTable", q: mx.array):
+    def __init__(self, codec: "RotatedTable", q: mx.array, *, rotated: bool = False):
         if q.ndim != 5 or q.shape[-1] != codec.dim:
             raise ValueError(f"queries must be (B, H_kv, R, Tq, {codec.dim}), got {tuple(q.shape)}")
-        self.codec, self.q_rot = codec, codec.rotation.apply(q.astype(mx.float32))
+        q = q.astype(mx.float32)
+        self.codec, self.q_rot = codec, q if rotated else codec.rotation.apply(q)
 
     def scores(self, code: Code) -> mx.array:
         """⟨q, x̂_t⟩ for every query and coded token: (B, H_kv, R, Tq, T) float32."""
@@ -119,9 +120,7 @@ class _RotatedQueryTable(QueryTable):
     """The table ``query_table`` gave before #27: rotated queries in, unit scores out."""
 
     def __init__(self, codec: "RotatedTable", q_rot: mx.array):
-        if q_rot.ndim != 5 or q_rot.shape[-1] != codec.dim:
-            raise ValueError(f"q_rot must be (B, H_kv, R, Tq, {codec.dim}), got {tuple(q_rot.shape)}")
-        self.codec, self.q_rot = codec, q_rot.astype(mx.float32)
+        super().__init__(codec, q_rot, rotated=True)
 
     def scores(self, code: Code) -> mx.array:
         return self.unit_scores(code)
