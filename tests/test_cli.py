@@ -49,6 +49,27 @@ def test_eval_prints_intervals_seeds_and_a_paired_difference(tmp_path, capsys):
     assert res["fp32"]["intervals"]["ppl_increase"] == {"value": 0.0, "lo": 0.0, "hi": 0.0}
 
 
+def test_eval_on_several_domains_summarises_each_configurations_worst(tmp_path, capsys):
+    """#28: --corpus with several domains scores each apart (same configurations, same
+    seeds) and prints every configuration's worst domain with its interval."""
+    import json
+    out = tmp_path / "r.json"
+    assert cli.main(["eval", "--configs", "uniform 3", "--corpus", "lee", "code", "--tokens", "512", "--window",
+                     "256", "--agreement-tokens", "0", "--fidelity-tokens", "0", "--quiet",
+                     "--diff", "uniform 3", "fp32", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    run = json.loads(out.read_text())
+    assert run["setup"]["corpora"] == ["lee", "code"] and set(run["domains"]) == {"lee", "code"}
+    incs = {c: r["results"]["uniform 3"]["intervals"]["ppl_increase"] for c, r in run["domains"].items()}
+    worst = max(incs, key=lambda c: incs[c]["value"])
+    w = incs[worst]
+    assert "worst domain of each configuration (lee, code):" in printed
+    assert f"uniform 3 {'':>22} {worst:>10} {w['value']:>+8.2f}" in printed
+    assert "lee: 2 windows of 256 tokens" in printed and "code: 2 windows of 256 tokens" in printed
+    for c, r in run["domains"].items():      # the diff against fp32 is the row's own increase
+        assert r["diff"]["value"] == pytest.approx(incs[c]["value"], abs=1e-9)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["eval", "--diff", "fp32", "nosuch"], "argument --diff: unknown configuration 'nosuch'"),
     (["eval", "--seeds", "0"], "argument --seeds: must be >= 1"),
@@ -57,6 +78,9 @@ def test_eval_prints_intervals_seeds_and_a_paired_difference(tmp_path, capsys):
     (["eval", "--tokens", "abc"], "argument --tokens: expected an integer"),
     (["eval", "--configs", "nosuch"], "unknown configuration(s) 'nosuch'; valid: 'chapter', 'all', 'fp32'"),
     (["eval", "--tokens", "256"], "256 tokens are fewer than one --window of 512"),
+    (["eval", "--corpus", "code", "docs", "--calibration-corpus", "docs", "--configs", "calibrated 4.25"],
+     "argument --corpus: 'docs' is the calibration corpus"),
+    (["eval", "--corpus", "novels"], "argument --corpus: invalid choice: 'novels'"),
     (["memory", "--bits", "0"], "argument --bits: bits must be in (0, 32], got 0"),
     (["memory", "--batch", "0"], "argument --batch: must be >= 1, got 0"),
     (["memory", "--context", "-1"], "argument --context: must be >= 1"),

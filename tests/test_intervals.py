@@ -78,3 +78,42 @@ def test_rates_and_resamples():
         ppl_increase(np.array([np.nan, 0.0]), np.zeros(2), np.ones(2))
     with pytest.raises(ValueError, match="at least one window"):
         resample(0)
+
+
+def test_domains_worst_and_never_worse_read_the_paired_differences():
+    """suite.worst_domain picks the largest increase; never_worse fails only where a
+    difference is established (its interval wholly above 0)."""
+    from turboquant.suite import add_intervals, domain_diffs, never_worse, worst_domain
+
+    def domain(delta_a, delta_b, seed):
+        ref, a, n = _windows(W=40, delta=delta_a, sigma=0.002, seed=seed)
+        b = ref + n * delta_b
+        rows = {name: {"per_window": {"nll": list(x), "n": list(n)}} for name, x in
+                (("fp32", ref), ("a", a), ("b", b))}
+        add_intervals(rows, n_boot=500)
+        return {"results": rows}
+
+    run = {"domains": {"prose": domain(0.010, 0.010, 0), "code": domain(0.050, 0.010, 1)}}
+    w = worst_domain(run, "a")
+    assert w["corpus"] == "code" and w["lo"] <= w["value"] <= w["hi"]
+    assert w["value"] == pytest.approx(100 * (np.exp(0.050 + 0.002 * 0) - 1), abs=0.2)
+    diffs = {d["corpus"]: d for d in domain_diffs(run, "a", "b")}
+    assert diffs["prose"]["verdict"] == "indistinguishable" and diffs["code"]["verdict"] == "b better"
+    assert not never_worse(diffs.values()) and never_worse([diffs["prose"]])
+    with pytest.raises(ValueError, match="'c' was not scored on 'prose'"):
+        worst_domain(run, "c")
+
+
+def test_pairing_narrows_the_interval_of_a_difference():
+    """Windows where every cache loses more (a shared fragility) cancel in a paired
+    difference; resampled apart they do not, and the interval widens."""
+    ref, _, n = _windows(W=60, sigma=0.0)
+    fragile = 0.02 * np.abs(np.random.default_rng(5).standard_normal(60))
+    noise = np.random.default_rng(6).standard_normal((2, 60))
+    a = ref + n * (0.010 + fragile + 0.0005 * noise[0])
+    b = ref + n * (0.005 + fragile + 0.0005 * noise[1])
+    paired = difference(a, b, ref, n)
+    apart = difference(a, b, ref, n, paired=False)
+    assert paired.value == apart.value
+    assert not paired.holds_zero and apart.lo < paired.lo and apart.hi > paired.hi
+    assert (apart.hi - apart.lo) > 5 * (paired.hi - paired.lo)

@@ -138,6 +138,22 @@ def test_frontier_with_a_budget_circles_and_names_the_best():
     plt.close(fig)
 
 
+def test_frontier_draws_intervals_goals_and_negative_changes():
+    from turboquant.budget import GOALS
+    rows = [("fp32", "reference", 32, 20.0, 0.0), ("a", "f", 4.25, 19.9, -0.5), ("b", "g", 3.25, 23.0, 15.0)]
+    fig = plot_ppl_frontier(rows, "t", intervals={"a": (-1.5, 0.7), "b": (11.0, 18.0)}, goals=GOALS)
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "symlog" and ax.get_ylim()[0] < -0.5          # the negative change is on the axis
+    bars = [c for c in ax.collections if type(c).__name__ == "LineCollection" and len(c.get_segments()) == 1
+            and c.get_segments()[0][0][0] == c.get_segments()[0][1][0]]
+    spans = sorted(tuple(sorted((s[0][1], s[1][1]))) for c in bars for s in c.get_segments())
+    assert (-1.5, 0.7) in [tuple(round(v, 6) for v in s) for s in spans]   # a's error bar is its interval
+    labels = [t.get_text() for t in ax.texts]
+    assert all(any(f"within {b:g} bits" in t for t in labels) for b in GOALS)
+    assert len({tuple(c.get_facecolor()[0]) for c in ax.collections if type(c).__name__ == "PathCollection"}) == 2
+    plt.close(fig)
+
+
 def _nb(tmp_path, cells):
     p = tmp_path / "nb.ipynb"
     p.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
@@ -195,3 +211,17 @@ def test_the_book_config_loads_nothing_from_a_cdn():
     assert '["html", "application/vnd.jupyter.widget-view+json", null]' in cfg
     assert "sphinx-mathjax-offline" in cfg and "offline_book" in cfg
     assert "references.bib" in cfg and (ROOT / "references.bib").is_file()
+
+
+def test_window_increases_plot_one_line_per_configuration_at_each_windows_increase():
+    import numpy as np
+    from turboquant.viz import plot_window_increases
+    n = [100.0, 100.0, 50.0]
+    ref = [300.0, 310.0, 150.0]
+    result = {"results": {"fp32": {"per_window": {"nll": ref, "n": n}},
+                          "a": {"per_window": {"nll": [[301.0, 312.0, 150.5], [303.0, 312.0, 150.5]], "n": n}}}}
+    fig = plot_window_increases(result, ["a"])
+    (line,) = fig.axes[0].get_lines()[:1]
+    want = 100 * (np.exp((np.array([302.0, 312.0, 150.5]) - ref) / n) - 1)   # seeds averaged first
+    assert np.allclose(line.get_ydata(), want)
+    plt.close(fig)

@@ -39,10 +39,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, TypeVar
 
-__all__ = ["Budget", "BUDGETS", "pick", "codecs_for", "best_within", "within", "TOLERANCE", "RECORDED_RUN"]
+__all__ = ["Budget", "BUDGETS", "pick", "codecs_for", "best_within", "within", "TOLERANCE", "RECORDED_RUN", "GOALS"]
 
 T = TypeVar("T")
 TOLERANCE = 1e-9          # bits that differ by float rounding only are equal
+# The quality goals (Chapter 10): within each budget (bits per coordinate, measured), the
+# largest perplexity increase (%) allowed on held-out text, on the worst held-out domain.
+GOALS = {4.25: 1.0, 3.25: 4.0, 2.25: 15.0}
 
 
 def within(bits: float, budget: float) -> bool:

@@ -207,27 +207,48 @@ def _eval(args) -> int:
     if args.diff:
         names = names + [n for n in args.diff if n not in names]
     from .models import load
-    from .suite import diff
+    from .suite import diff, evaluate_domains, worst_domain
     if "fp32" not in names:
         names = ["fp32"] + names          # the reference every increase is measured against
+    if args.calibration_corpus is not None and args.calibration_corpus in args.corpus and any(
+            CONFIGS[n].needs_calibration for n in names):
+        args.parser.error(f"argument --corpus: {args.calibration_corpus!r} is the calibration corpus; "
+                          f"score calibrated configurations on other text")
     model, tok = load(args.model)
-    result = evaluate(model, tok, names, tokens=args.tokens, window=args.window, chunk=args.chunk,
-                      agreement_tokens=args.agreement_tokens, fidelity_tokens=args.fidelity_tokens,
-                      needle_contexts=args.needle_contexts, corpus=args.corpus, progress=not args.quiet,
-                      model_name=f"{args.model} (float32)", calibration_corpus=args.calibration_corpus,
-                      compare=args.compare, needle_values=args.needle_values, seeds=args.seeds)
-    windows = result["results"]["fp32"]["per_window"]["n"]
-    print(f"{len(windows)} windows of {args.window} tokens; 95 % intervals: paired block bootstrap over windows"
-          + (f", {args.seeds} rotation seeds where a configuration draws one" if args.seeds > 1 else ""))
-    print(f"{'configuration':32s} {'bits':>6} {'ppl':>9} {'Δppl %':>8}  {'95 % interval':>18}")
-    for name, _, bits, ppl, inc in frontier_rows(result):
-        i = result["results"][name]["intervals"]["ppl_increase"]
-        print(f"{name:32s} {bits:>6.3g} {ppl:>9.3f} {inc:>+8.2f}  [{i['lo']:>+7.2f}, {i['hi']:>+7.2f}]")
-    if args.diff:
-        d = diff(result, *args.diff)
-        result["diff"] = d
-        print(f"{d['a']} − {d['b']}: {d['value']:+.2f} points of Δppl, 95 % interval "
-              f"[{d['lo']:+.2f}, {d['hi']:+.2f}]: {d['verdict']}")
+    kw = dict(tokens=args.tokens, window=args.window, chunk=args.chunk,
+              agreement_tokens=args.agreement_tokens, fidelity_tokens=args.fidelity_tokens,
+              needle_contexts=args.needle_contexts, progress=not args.quiet,
+              model_name=f"{args.model} (float32)", calibration_corpus=args.calibration_corpus,
+              compare=args.compare, needle_values=args.needle_values, seeds=args.seeds)
+    corpora = list(dict.fromkeys(args.corpus))
+    if len(corpora) == 1:
+        result = evaluate(model, tok, names, corpus=corpora[0], **kw)
+        runs = {corpora[0]: result}
+    else:
+        result = evaluate_domains(model, tok, names, corpora, **kw)
+        runs = result["domains"]
+    for corpus, run in runs.items():
+        windows = run["results"]["fp32"]["per_window"]["n"]
+        print(f"{corpus}: {len(windows)} windows of {args.window} tokens; 95 % intervals: paired block "
+              f"bootstrap over windows" + (f", {args.seeds} rotation seeds where a configuration draws one"
+                                          if args.seeds > 1 else ""))
+        print(f"{'configuration':32s} {'bits':>6} {'ppl':>9} {'Δppl %':>8}  {'95 % interval':>18}")
+        for name, _, bits, ppl, inc in frontier_rows(run):
+            i = run["results"][name]["intervals"]["ppl_increase"]
+            print(f"{name:32s} {bits:>6.3g} {ppl:>9.3f} {inc:>+8.2f}  [{i['lo']:>+7.2f}, {i['hi']:>+7.2f}]")
+        if args.diff:
+            d = diff(run, *args.diff)
+            run["diff"] = d
+            print(f"{d['a']} − {d['b']}: {d['value']:+.2f} points of Δppl, 95 % interval "
+                  f"[{d['lo']:+.2f}, {d['hi']:+.2f}]: {d['verdict']}")
+        print()
+    if len(corpora) > 1:
+        print(f"worst domain of each configuration ({', '.join(corpora)}):")
+        for name in names:
+            if name == "fp32":
+                continue
+            w = worst_domain(result, name)
+            print(f"{name:32s} {w['corpus']:>10} {w['value']:>+8.2f}  [{w['lo']:>+7.2f}, {w['hi']:>+7.2f}]")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -401,7 +422,9 @@ def main(argv=None) -> int:
     e.add_argument("--needle-contexts", type=_int_at_least(64), nargs="*", default=[], help="needle test context lengths")
     e.add_argument("--needle-values", type=_int_at_least(1), default=4,
                    help="secret codes per depth (three depths: trials per context = 3 × this)")
-    e.add_argument("--corpus", choices=sorted(DOMAINS), default="wikipedia", help="evaluation text")
+    e.add_argument("--corpus", choices=sorted(DOMAINS), nargs="+", default=["wikipedia"],
+                   help="evaluation text; several: each scored apart, with the worst domain of each "
+                        "configuration summarised")
     e.add_argument("--calibration-corpus", choices=sorted(DOMAINS), default=None,
                    help="text the calibrated configurations are fitted on (default: the other corpus)")
     e.add_argument("--compare", action="store_true",

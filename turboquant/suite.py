@@ -24,7 +24,8 @@ from .data import load_text
 from .prompt_cache import make_prompt_cache
 
 __all__ = ["mse_config", "best_under", "add_intervals", "diff", "Config", "Reference", "MlxQuantized", "Kivi", "Codecs", "Calibrated", "Profile",
-           "CONFIGS", "CHAPTER_CONFIGS", "evaluate", "frontier_rows"]
+           "CONFIGS", "CHAPTER_CONFIGS", "evaluate", "frontier_rows",
+           "intervals_of", "evaluate_domains", "worst_domain", "domain_diffs", "never_worse"]
 
 
 class _LegacyConstructor(type):
@@ -316,6 +317,22 @@ def _dims(model):
     return geometry_from_model(model).head_dim
 
 
+def _refuse_tuned_on(model, names, corpus: str, calibration_corpus: str) -> None:
+    """Calibrated rows and profiles are scored only on text they were not fitted on."""
+    calibrated = [n for n in names if CONFIGS[n].needs_calibration]
+    if calibrated and calibration_corpus == corpus:
+        raise ValueError(f"{calibrated} are calibrated on {calibration_corpus!r}: evaluate them on another "
+                         f"corpus (corpus={corpus!r})")
+    profiled = [n for n in names if CONFIGS[n].needs_profile]
+    if profiled:
+        from .calibration import find_profile
+        prof = find_profile(model)
+        if prof is None:
+            raise ValueError(f"{profiled} need a profile for this model: run `turboquant calibrate` first")
+        if prof["calibration"]["corpus"] == corpus:
+            raise ValueError(f"{profiled} use a profile calibrated on {corpus!r}: evaluate them on another corpus")
+
+
 def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window: int = 512,
              chunk: int = 128, agreement_tokens: int = 32, fidelity_tokens: int = 512,
              needle_contexts: Sequence[int] = (), needle_depths: Sequence[float] = (0.1, 0.5, 0.9),
@@ -349,17 +366,7 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
     if calibration_corpus is None:
         calibration_corpus = "lee" if corpus == "wikipedia" else "wikipedia"
     calibrated = [n for n in names if CONFIGS[n].needs_calibration]
-    if calibrated and calibration_corpus == corpus:
-        raise ValueError(f"{calibrated} are calibrated on {calibration_corpus!r}: evaluate them on another "
-                         f"corpus (corpus={corpus!r})")
-    profiled = [n for n in names if CONFIGS[n].needs_profile]
-    if profiled:
-        from .calibration import find_profile
-        prof = find_profile(model)
-        if prof is None:
-            raise ValueError(f"{profiled} need a profile for this model: run `turboquant calibrate` first")
-        if prof["calibration"]["corpus"] == corpus:
-            raise ValueError(f"{profiled} use a profile calibrated on {corpus!r}: evaluate them on another corpus")
+    _refuse_tuned_on(model, names, corpus, calibration_corpus)
     text = load_text(corpus)
     ids = tqeval.encode_text(tokenizer, text, tokens)
     prompt = ids[:256]
@@ -469,6 +476,62 @@ def diff(result: dict, a: str, b: str, n_boot: int = 2000, seed: int = 0) -> dic
                       n, iv.resample(len(n), n_boot, seed))
     verdict = "indistinguishable" if d.holds_zero else (f"{a} better" if d.value < 0 else f"{b} better")
     return {"a": a, "b": b, **d.as_dict(), "verdict": verdict}
+
+
+def intervals_of(result: dict, metric: str = "ppl_increase") -> dict:
+    """{name: (lo, hi)}: the 95 % interval of ``metric`` for every row of ``result``
+    (``evaluate``'s output) that has one — e.g. the error bars of ``plot_ppl_frontier``."""
+    return {name: (r["intervals"][metric]["lo"], r["intervals"][metric]["hi"])
+            for name, r in result["results"].items() if metric in r.get("intervals", {})}
+
+
+def evaluate_domains(model, tokenizer, names: Sequence[str], corpora: Sequence[str], **kw) -> dict:
+    """``evaluate`` the same configurations on each corpus of ``corpora`` (held-out domains:
+    ``data.DOMAINS``), with the same keyword arguments (seeds, calibration corpus, …):
+    {"setup": {"corpora": […], …}, "domains": {corpus: evaluate(…)}}. A calibration corpus
+    among ``corpora`` is refused, as ``evaluate`` refuses it for calibrated rows."""
+    corpora = list(dict.fromkeys(corpora))
+    if not corpora:
+        raise ValueError("evaluate_domains needs at least one corpus")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configuration(s) {unknown}; known: {sorted(CONFIGS)}")
+    if kw.get("calibration_corpus") is None:    # one calibration text for every domain
+        kw["calibration_corpus"] = next((c for c in ("wikipedia", "lee") if c not in corpora), None)
+        if kw["calibration_corpus"] is None and any(CONFIGS[n].needs_calibration for n in names):
+            raise ValueError("give calibration_corpus: wikipedia and lee are both among the corpora")
+    for corpus in corpora:                     # refuse before hours of scoring, not after
+        _refuse_tuned_on(model, names, corpus, kw["calibration_corpus"] or "wikipedia")
+    runs = {}
+    for corpus in corpora:
+        runs[corpus] = evaluate(model, tokenizer, names, corpus=corpus, **kw)
+    setup = {k: v for k, v in next(iter(runs.values()))["setup"].items() if k not in ("corpus", "seconds")}
+    setup.update(corpora=corpora, seconds=sum(r["setup"]["seconds"] for r in runs.values()))
+    return {"setup": setup, "domains": runs}
+
+
+def worst_domain(run: dict, name: str) -> dict:
+    """The held-out domain on which ``name`` loses most perplexity in ``run``
+    (``evaluate_domains``'s output): {"corpus", "value", "lo", "hi"} (Δppl %, 95 % interval)."""
+    rows = []
+    for corpus, result in run["domains"].items():
+        if name not in result["results"]:
+            raise ValueError(f"{name!r} was not scored on {corpus!r}")
+        i = result["results"][name]["intervals"]["ppl_increase"]
+        rows.append({"corpus": corpus, **i})
+    return max(rows, key=lambda r: r["value"])
+
+
+def domain_diffs(run: dict, a: str, b: str) -> list:
+    """``diff(a, b)`` on every domain of ``run`` (``evaluate_domains``'s output), each with
+    its "corpus". ``a`` is *never worse than* ``b`` when no interval lies wholly above 0
+    (``never_worse``)."""
+    return [{"corpus": corpus, **diff(result, a, b)} for corpus, result in run["domains"].items()]
+
+
+def never_worse(diffs: Sequence[dict]) -> bool:
+    """True when no difference of ``domain_diffs`` is established as a loss (lo > 0)."""
+    return all(d["lo"] <= 0 for d in diffs)
 
 
 def mse_config(key_bits: Optional[int] = None, value_bits: Optional[int] = None, center_keys: bool = False,

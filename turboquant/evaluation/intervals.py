@@ -111,9 +111,12 @@ def mean_rate(sums, n, windows: Optional[np.ndarray] = None, level: float = LEVE
     return _interval(_pooled(x, None, None) / n.sum(), _pooled(x, windows, seeds) / n[windows].sum(axis=-1), level)
 
 
-def difference(nll_a, nll_b, nll_ref, n, windows: Optional[np.ndarray] = None, level: float = LEVEL) -> Interval:
+def difference(nll_a, nll_b, nll_ref, n, windows: Optional[np.ndarray] = None, level: float = LEVEL,
+               paired: bool = True) -> Interval:
     """Δppl(A) − Δppl(B) in percentage points, both on the same resampled windows (paired):
-    ``holds_zero`` says the two are indistinguishable on these windows and seeds."""
+    ``holds_zero`` says the two are indistinguishable on these windows and seeds.
+    ``paired=False`` resamples B's windows independently of A's — the interval one would get
+    had the two been scored on different text (Chapter 9 shows how much wider it is)."""
     n = np.asarray(n, dtype=np.float64)
     W = n.shape[0]
     a, b, ref = (_seeds_by_windows(v, W, name) for v, name in ((nll_a, "nll_a"), (nll_b, "nll_b"),
@@ -126,7 +129,12 @@ def difference(nll_a, nll_b, nll_ref, n, windows: Optional[np.ndarray] = None, l
     stat = lambda x, r, tokens: 100 * (np.exp((x - r) / tokens) - 1)   # noqa: E731
     tokens = n[windows].sum(axis=-1)
     ref_s = _pooled(ref, windows, sr)
-    samples = stat(_pooled(a, windows, sa), ref_s, tokens) - stat(_pooled(b, windows, sb), ref_s, tokens)
+    if paired:
+        windows_b, ref_b, tokens_b = windows, ref_s, tokens
+    else:
+        windows_b = np.random.default_rng([7, W]).integers(0, W, size=windows.shape)
+        ref_b, tokens_b = _pooled(ref, windows_b, sr), n[windows_b].sum(axis=-1)
+    samples = stat(_pooled(a, windows, sa), ref_s, tokens) - stat(_pooled(b, windows_b, sb), ref_b, tokens_b)
     r0 = _pooled(ref, None, None)
     point = stat(_pooled(a, None, None), r0, n.sum()) - stat(_pooled(b, None, None), r0, n.sum())
     return _interval(point, samples, level)

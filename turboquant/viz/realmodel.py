@@ -7,29 +7,47 @@ from .cache import best_within
 from .style import COLORS, figure
 
 
-def plot_ppl_frontier(rows, title: str = "", budget: float | None = None):
+FAMILY_COLORS = COLORS + ["#e377c2", "#bcbd22", "#393b79", "#ad494a", "#637939", "#843c39"]
+
+
+def plot_ppl_frontier(rows, title: str = "", budget: float | None = None, intervals: dict | None = None,
+                      goals: dict | None = None):
     """Perplexity increase (%) against bits per coordinate (side information included);
     ``rows`` = [(name, family, bits, ppl, increase %)] as ``suite.frontier_rows`` returns.
-    One colour per family; the y axis is logarithmic. With ``budget``, a line at that many
-    bits and the best configuration within it circled and named in the title."""
-    fig, ax = figure(width=7.0, height=4.2)
+    One colour per family (distinct up to 14 families). ``intervals`` maps a name to the
+    (lo, hi) 95 % interval of its increase (``suite.intervals_of``): drawn as error bars.
+    ``goals`` maps a budget in bits to the largest increase allowed within it
+    (``budget.GOALS``): drawn as labelled steps. The y axis is linear within ±1 % and
+    logarithmic beyond, so negative changes show. With ``budget``, a line at that many bits
+    and the best configuration within it circled and named in the title."""
+    fig, ax = figure(width=7.0, height=4.4)
     fams = sorted({r[1] for r in rows if r[1] != "reference"})
     for i, fam in enumerate(fams):
-        pts = [(r[2], max(r[4], 0.01)) for r in rows if r[1] == fam]
-        ax.scatter(*zip(*pts), s=28, color=COLORS[i % len(COLORS)], label=fam,
-                   marker="os^Dv<>p"[i // len(COLORS) % 8])
-    ax.set_yscale("log")
-    ax.axhline(1, c="k", lw=0.8, ls="--")
-    ax.axhline(4, c="k", lw=0.8, ls=":")
-    ax.axvline(4.25, c="gray", lw=0.6)
-    ax.axvline(3.25, c="gray", lw=0.6)
+        mine = [r for r in rows if r[1] == fam]
+        x = [r[2] for r in mine]
+        y = [r[4] for r in mine]
+        color = FAMILY_COLORS[i % len(FAMILY_COLORS)]
+        marker = "os^Dv<>p"[i % 8]
+        if intervals:
+            lo = [max(r[4] - intervals[r[0]][0], 0.0) if r[0] in intervals else 0.0 for r in mine]
+            hi = [max(intervals[r[0]][1] - r[4], 0.0) if r[0] in intervals else 0.0 for r in mine]
+            ax.errorbar(x, y, yerr=[lo, hi], fmt="none", ecolor=color, elinewidth=1.0, capsize=2.5, alpha=0.8)
+        ax.scatter(x, y, s=30, color=color, label=fam, marker=marker, zorder=3)
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.axhline(0, c="k", lw=0.6)
+    for bits, limit in sorted((goals or {}).items()):
+        ax.hlines(limit, min(r[2] for r in rows) - 0.25, bits, colors="k",
+                  lw=0.9, ls="--")
+        ax.vlines(bits, 0, limit, colors="k", lw=0.6, ls=":")
+        ax.annotate(f"goal: ≤ {limit:+g} % within {bits:g} bits", (bits, limit), xytext=(3, 3),
+                    textcoords="offset points", fontsize=7)
     ax.set_xlabel("bits per coordinate (K and V averaged, side information included)")
     ax.set_ylabel("perplexity increase over fp32 (%)")
     if budget is not None:
         best = best_within([(r[0], r[2], r[4]) for r in rows if r[1] != "reference"], budget)
         ax.axvline(budget, c="k", lw=1.0, ls="--")
         if best:
-            ax.scatter([best[1]], [max(best[2], 0.01)], s=170, facecolors="none", edgecolors="k", lw=1.2)
+            ax.scatter([best[1]], [best[2]], s=170, facecolors="none", edgecolors="k", lw=1.2, zorder=4)
             title = f"{title}\nwithin {budget:g} bits: {best[0]} ({best[1]:.3g} bits) at {best[2]:+.2f} %"
         else:
             title = f"{title}\nno configuration within {budget:g} bits"
@@ -65,6 +83,29 @@ def plot_sink_mass(mass, energy):
     ax.plot(layers, energy, "s-", ms=3, label="key energy left after centering")
     ax.set_xlabel("layer")
     ax.set_ylim(0, 1)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_window_increases(result: dict, names, title: str = ""):
+    """Per-window perplexity increase (%) of each configuration in ``names`` (rows of
+    ``suite.evaluate``'s ``result`` with their "per_window" sums; seeds averaged), one line
+    each, against the scoring window: windows that are hard for one cache are hard for the
+    others, which is why a paired difference is narrower than two intervals side by side."""
+    rows = result["results"]
+    n = np.asarray(rows["fp32"]["per_window"]["n"], dtype=np.float64)
+    ref = np.asarray(rows["fp32"]["per_window"]["nll"], dtype=np.float64).reshape(-1, len(n))
+    fig, ax = figure(width=7.0, height=3.4)
+    for i, name in enumerate(names):
+        nll = np.asarray(rows[name]["per_window"]["nll"], dtype=np.float64).reshape(-1, len(n))
+        inc = 100 * (np.exp((nll.mean(0) - ref.mean(0)) / n) - 1)
+        ax.plot(np.arange(len(n)), inc, "o-", ms=3.5, color=COLORS[i % len(COLORS)], label=name)
+    ax.axhline(0, c="k", lw=0.6)
+    ax.set_xlabel("scoring window (512 tokens each)")
+    ax.set_ylabel("perplexity increase in the window (%)")
+    if title:
+        ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
