@@ -49,7 +49,9 @@ def test_bad_options_are_one_line_errors(capsys, tmp_path):
                        (["--codec", '{"codec": "turboquant_mse"}'], "missing 1 required positional argument: 'bits'"),
                        (["--codec", '{"codec": "turboquant_mse", "bits": "4"}'], "bits"),
                        (["--key-bits", "9"], "must be <= 8"), (["--key-bits", "0"], "must be >= 1"),
-                       (["--bits", "0.5"], "argument --bits: the profile of smollm2-135m has no configuration within 0.5"),
+                       (["--bits", "0.5"], "argument --bits: no measured configuration fits 0.5 bits"),
+                       (["--bits", "0.5", "--profile"],
+                        "argument --bits: the profile of smollm2-135m has no configuration within 0.5"),
                        (["--codec", '{"codec": "centered"}'], "missing 1 required positional argument: 'inner'")):
         with pytest.raises(SystemExit) as e:
             main(["generate", "--prompt", "x", "--max-tokens", "1", *opts])

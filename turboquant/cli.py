@@ -106,10 +106,16 @@ def _load_for_generation(args):
     if getattr(args, "load_cache", None) and set_:
         args.parser.error(f"--load-cache restores the saved cache with its own codecs: {', '.join(set_)} "
                           "would contradict it")
+    if args.profile is not None and args.bits is None:
+        args.parser.error("argument --profile: it chooses the configuration for --bits; give --bits too")
+    if args.profile not in (None, True) and not Path(args.profile).is_file():
+        args.parser.error(f"argument --profile: no file {args.profile}")
     try:
         options = cache_options(args.bits, args.key_bits, args.value_bits, args.codec, args.max_kv_size)
     except ValueError as e:
         args.parser.error(str(e))
+    if args.profile is not None:
+        options["profile"] = args.profile
     model, tok = load(args.model)
     if "bits" in options:                # a budget below every measured configuration is a usage error
         try:
@@ -149,6 +155,10 @@ def _cache_arguments(p) -> None:
     g = p.add_argument_group("cache (choose one; default --key-bits 4 --value-bits 4)")
     g.add_argument("--bits", type=_bits, default=None, help="a budget in bits per coordinate, side information "
                    "included: the best measured configuration within it (Chapter 9)")
+    g.add_argument("--profile", nargs="?", const=True, default=None, metavar="PATH",
+                   help="with --bits: the model's calibrated profile (or the profile file PATH) instead of the "
+                        "uncalibrated budgets; it helps on text like its calibration text and can lose on "
+                        "other domains (Chapter 10)")
     g.add_argument("--key-bits", type=_int_in(1, 8), default=None, help="TurboQuant_mse bits for keys (1..8)")
     g.add_argument("--value-bits", type=_int_in(1, 8), default=None, help="TurboQuant_mse bits for values (1..8)")
     g.add_argument("--codec", default=None, help="a codec config as JSON, or a JSON file (keys and values)")
@@ -179,7 +189,8 @@ def _calibrate(args) -> int:
     default = profile_path(name)
     out = save_profile(prof, args.out or default)
     if out.resolve().parent == default.resolve().parent:
-        print(f"wrote {out}: make_prompt_cache(model, bits=…) now uses it for this model")
+        print(f"wrote {out}: make_prompt_cache(model, bits=…, profile=True) and --bits … --profile now use it "
+              f"for this model")
     else:
         print(f"wrote {out}: use it with make_prompt_cache(model, bits=…, profile={str(out)!r}) "
               f"(profiles in {default.parent} are found automatically)")

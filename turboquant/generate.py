@@ -28,9 +28,8 @@ def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, 
     config as JSON text or a JSON file, for keys and values); none means TurboQuant_mse at 4
     bits for keys and values (4.25 bits per coordinate at head size 64).
 
-    Not ``bits=4.25`` by default: for the installed models a budget means their calibrated
-    profile (Chapter 10), whose coders are fitted on first use; plain 4-bit keys and values
-    need no fitting and no profile."""
+    Not ``bits=4.25`` by default: plain 4-bit keys and values need no fitting and keep no
+    exact tokens besides their codes."""
     chosen = [n for n, v in (("--bits", bits), ("--key-bits/--value-bits", key_bits or value_bits),
                              ("--codec", codec)) if v]
     if len(chosen) > 1:

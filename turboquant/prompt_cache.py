@@ -36,10 +36,11 @@ def _head_dim(model) -> int:
 
 
 def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, model=None, profile=None):
-    """(key codec spec(s), value codec spec(s), sink tokens) for a budget of ``bits``: from the
-    model's calibrated profile when there is one (``turboquant.calibration``: one codec per
-    layer), else the best uncalibrated configuration measured in Chapter 9
-    (``turboquant.budget``). ``bits`` excludes explicit codecs and sinks."""
+    """(key codec spec(s), value codec spec(s), sink tokens) for a budget of ``bits``: the
+    best uncalibrated configuration measured in Chapter 9 (``turboquant.budget``), or with
+    ``profile`` (True: the model's own, a dict or a path) the profile's calibrated choice
+    (``turboquant.calibration``: one codec per layer). ``bits`` excludes explicit codecs and
+    sinks."""
     from .budget import codecs_for, pick
     if key_codec is not None or value_codec is not None or sink_tokens:
         raise ValueError("give either bits= or key_codec/value_codec/sink_tokens, not both")
@@ -47,17 +48,19 @@ def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, mod
         raise TypeError(f"bits must be a number, got {bits!r}")
     if bits != bits or bits <= 0:
         raise ValueError(f"bits must be a positive number of bits per coordinate, got {bits!r}")
-    if model is not None and profile is not False:
+    if model is not None and profile is not None and profile is not False:
         from .calibration.profiles import find_profile, load_profile
         from .calibration.store import profile_codecs
         prof = profile
         if isinstance(prof, (str, os.PathLike)):
             prof = load_profile(prof)
-        elif prof is None:
+        elif prof is True:
             prof = find_profile(model)
-        if prof is not None:
-            keys, values, sinks, _ = profile_codecs(model, prof, bits)
-            return keys, values, sinks
+            if prof is None:
+                raise ValueError("profile=True: this model has no calibrated profile; run `turboquant calibrate` "
+                                 "first, or leave profile out for the uncalibrated budgets")
+        keys, values, sinks, _ = profile_codecs(model, prof, bits)
+        return keys, values, sinks
     choice = pick(bits, dim)
     return (*codecs_for(choice), choice.sink_tokens)
 
@@ -100,21 +103,23 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     ``key_codec``/``value_codec`` may also be lists with one specification per cache (per
     layer), e.g. codecs calibrated per layer.
 
-    ``bits`` asks for a memory budget instead of codecs. With a calibrated profile for this
-    model (``profile``: a profile dict or path; None: the one ``turboquant.calibration.find_profile``
-    finds — the installed models ship one; False: do not use profiles), the profile's best
-    measured configuration within ``bits`` (transform coders per layer, fitted on the
-    profile's calibration text; Chapter 10). Without one, the best uncalibrated configuration
+    ``bits`` asks for a memory budget instead of codecs: the best uncalibrated configuration
     measured in Chapter 9 (``turboquant.budget``; e.g. 4.25 → centered 4-bit keys, 4-bit
-    values, one sink token). ``bits`` cannot be combined with
-    ``key_codec``/``value_codec``/``sink_tokens``.
+    values, one sink token), which holds on every text domain measured in Chapter 10. With
+    ``profile`` (True: the model's own calibrated profile, ``turboquant.calibration.find_profile``
+    — the installed models ship one; or a profile dict or path), the profile's best
+    configuration within ``bits`` instead (transform coders per layer, fitted on the
+    profile's calibration text). Calibration pays on text like its calibration text and can
+    lose on other domains (Chapter 10 measures how much), so it is not the default.
+    ``bits`` cannot be combined with ``key_codec``/``value_codec``/``sink_tokens``.
     """
     if max_kv_size is not None:
         max_kv_size = check_int("max_kv_size", max_kv_size, 1)
     fp_window, sink_tokens = check_int("fp_window", fp_window, 0), check_int("sink_tokens", sink_tokens, 0)
     if profile is not None and profile is not False:
-        if isinstance(profile, bool) or not isinstance(profile, (dict, str, os.PathLike)):
-            raise TypeError(f"profile must be a profile dict, a path, None or False, got {profile!r}")
+        if not (profile is True or isinstance(profile, (dict, str, os.PathLike))):
+            raise TypeError(f"profile must be True (the model's own), a profile dict, a path, None or False, "
+                            f"got {profile!r}")
         if bits is None:
             raise ValueError("profile= chooses the configuration for bits=: give bits too")
     dim = _head_dim(model)

@@ -225,16 +225,16 @@ class Calibrated(Config):
 
 @dataclass(frozen=True)
 class Profile(Config):
-    """``make_prompt_cache(model, bits=…)`` with the model's shipped profile."""
+    """``make_prompt_cache(model, bits=…, profile=True)``: the model's shipped profile."""
 
     profile_bits: float
-    family: str = "profile (make_prompt_cache(bits=…))"
+    family: str = "profile (make_prompt_cache(bits=…, profile=True))"
     note: str = "the model's shipped profile: the configuration calibrate chose"
     needs_profile = True
 
     def make_cache(self, model, stats=None):
-        make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False)   # fit once, untimed
-        return lambda: make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False)
+        make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False, profile=True)   # fit once, untimed
+        return lambda: make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False, profile=True)
 
     def bits(self, dim):
         return self.profile_bits
