@@ -117,3 +117,9 @@ def test_pairing_narrows_the_interval_of_a_difference():
     assert paired.value == apart.value
     assert not paired.holds_zero and apart.lo < paired.lo and apart.hi > paired.hi
     assert (apart.hi - apart.lo) > 5 * (paired.hi - paired.lo)
+
+
+def test_intervals_print_as_value_and_bounds():
+    from turboquant.evaluation.intervals import as_text
+    assert Interval(4.2912, 3.1234, 5.9111).text() == "+4.29 [+3.12, +5.91]"
+    assert as_text({"value": 0.0316, "lo": 0.03, "hi": 0.034}, ".3f") == "0.032 [0.030, 0.034]"

@@ -423,7 +423,8 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
         row["ppl_increase"] = (row["ppl"] / ref - 1) if ref else None
     if "fp32" in results:
         add_intervals(results)
-    return {"setup": {"model": model_name, "corpus": corpus, "bos": bos,
+    from .data import corpus_info
+    return {"setup": {"model": model_name, "corpus": corpus, "corpus_info": corpus_info(corpus), "bos": bos,
                       "calibration": {"corpus": calibration_corpus, "windows": calibration_windows}
                       if calibrated else None, "compare": compare,
                       "tokens": tokens, "window": window, "chunk": chunk,

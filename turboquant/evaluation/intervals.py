@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["Interval", "resample", "ppl_increase", "mean_rate", "difference", "LEVEL", "N_BOOT"]
+__all__ = ["Interval", "resample", "ppl_increase", "mean_rate", "difference", "as_text", "LEVEL", "N_BOOT"]
 
 LEVEL = 0.95
 N_BOOT = 2000
@@ -44,6 +44,16 @@ class Interval:
 
     def as_dict(self) -> dict:
         return {"value": self.value, "lo": self.lo, "hi": self.hi}
+
+    def text(self, fmt: str = "+.2f") -> str:
+        """The interval as "value [lo, hi]" with ``fmt``, e.g. "+4.29 [+3.12, +5.91]"."""
+        return as_text(self.as_dict(), fmt)
+
+
+def as_text(interval: dict, fmt: str = "+.2f") -> str:
+    """An interval as recorded in JSON ({"value", "lo", "hi"}) as "value [lo, hi]"."""
+    v, lo, hi = (format(interval[k], fmt) for k in ("value", "lo", "hi"))
+    return f"{v} [{lo}, {hi}]"
 
 
 def _seeds_by_windows(a, n_windows: int, name: str) -> np.ndarray:
