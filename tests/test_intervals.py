@@ -102,6 +102,10 @@ def test_domains_worst_and_never_worse_read_the_paired_differences():
     assert not never_worse(diffs.values()) and never_worse([diffs["prose"]])
     with pytest.raises(ValueError, match="'c' was not scored on 'prose'"):
         worst_domain(run, "c")
+    with pytest.raises(ValueError, match="expected evaluate_domains' output"):
+        worst_domain(run["domains"]["prose"], "a")
+    with pytest.raises(ValueError, match="at least one domain"):
+        never_worse([])
 
 
 def test_pairing_narrows_the_interval_of_a_difference():

@@ -101,15 +101,20 @@ def _model(args) -> int:
 def _load_for_generation(args):
     from .generate import cache_options, new_cache
     from .models import load
-    set_ = [f"--{n.replace('_', '-')}" for n in ("bits", "key_bits", "value_bits", "codec", "max_kv_size")
+    set_ = [f"--{n.replace('_', '-')}" for n in ("bits", "key_bits", "value_bits", "codec", "max_kv_size", "profile")
             if getattr(args, n) is not None]
     if getattr(args, "load_cache", None) and set_:
         args.parser.error(f"--load-cache restores the saved cache with its own codecs: {', '.join(set_)} "
                           "would contradict it")
     if args.profile is not None and args.bits is None:
         args.parser.error("argument --profile: it chooses the configuration for --bits; give --bits too")
-    if args.profile not in (None, True) and not Path(args.profile).is_file():
-        args.parser.error(f"argument --profile: no file {args.profile}")
+    if args.profile not in (None, True):
+        try:
+            found = Path(args.profile).is_file()
+        except OSError:                                   # e.g. a name too long for the file system
+            found = False
+        if not found:
+            args.parser.error(f"argument --profile: no file {args.profile}")
     try:
         options = cache_options(args.bits, args.key_bits, args.value_bits, args.codec, args.max_kv_size)
     except ValueError as e:
@@ -121,6 +126,8 @@ def _load_for_generation(args):
         try:
             return model, tok, new_cache(model, options)
         except ValueError as e:
+            if "profile" in options:
+                args.parser.error(f"argument --profile: {str(e).replace('profile=True: ', '')}")
             args.parser.error(f"argument --bits: {e}")
     return model, tok, new_cache(model, options, getattr(args, "load_cache", None))
 
@@ -192,8 +199,8 @@ def _calibrate(args) -> int:
         print(f"wrote {out}: make_prompt_cache(model, bits=…, profile=True) and --bits … --profile now use it "
               f"for this model")
     else:
-        print(f"wrote {out}: use it with make_prompt_cache(model, bits=…, profile={str(out)!r}) "
-              f"(profiles in {default.parent} are found automatically)")
+        print(f"wrote {out}: use it with make_prompt_cache(model, bits=…, profile={str(out)!r}) or --profile "
+              f"{out} (profiles in {default.parent} are found by profile=True / --profile)")
     return 0
 
 
@@ -221,10 +228,13 @@ def _eval(args) -> int:
     from .suite import diff, evaluate_domains, worst_domain
     if "fp32" not in names:
         names = ["fp32"] + names          # the reference every increase is measured against
-    if args.calibration_corpus is not None and args.calibration_corpus in args.corpus and any(
-            CONFIGS[n].needs_calibration for n in names):
-        args.parser.error(f"argument --corpus: {args.calibration_corpus!r} is the calibration corpus; "
-                          f"score calibrated configurations on other text")
+    if any(CONFIGS[n].needs_calibration for n in names):
+        if args.calibration_corpus is not None and args.calibration_corpus in args.corpus:
+            args.parser.error(f"argument --corpus: {args.calibration_corpus!r} is the calibration corpus; "
+                              f"score calibrated configurations on other text")
+        if args.calibration_corpus is None and len(set(args.corpus)) > 1 and {"wikipedia", "lee"} <= set(args.corpus):
+            args.parser.error("argument --calibration-corpus: wikipedia and lee are both scored; name the "
+                              "calibration text (one the scored corpora do not include)")
     model, tok = load(args.model)
     kw = dict(tokens=args.tokens, window=args.window, chunk=args.chunk,
               agreement_tokens=args.agreement_tokens, fidelity_tokens=args.fidelity_tokens,
@@ -437,7 +447,8 @@ def main(argv=None) -> int:
                    help="evaluation text; several: each scored apart, with the worst domain of each "
                         "configuration summarised")
     e.add_argument("--calibration-corpus", choices=sorted(DOMAINS), default=None,
-                   help="text the calibrated configurations are fitted on (default: the other corpus)")
+                   help="text the calibrated configurations are fitted on (default: wikipedia, or lee when "
+                        "wikipedia is scored)")
     e.add_argument("--compare", action="store_true",
                    help="also KL divergence from fp32 and top-1 agreement on every scored token")
     e.add_argument("--seeds", type=_int_at_least(1), default=1,

@@ -105,7 +105,8 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
 
     ``bits`` asks for a memory budget instead of codecs: the best uncalibrated configuration
     measured in Chapter 9 (``turboquant.budget``; e.g. 4.25 → centered 4-bit keys, 4-bit
-    values, one sink token), which holds on every text domain measured in Chapter 10. With
+    values, one sink token), whose loss varies little across the text domains Chapter 10
+    measures (news, reviews, source code, documentation). With
     ``profile`` (True: the model's own calibrated profile, ``turboquant.calibration.find_profile``
     — the installed models ship one; or a profile dict or path), the profile's best
     configuration within ``bits`` instead (transform coders per layer, fitted on the

@@ -345,7 +345,8 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
     fidelity: [per-layer cos], needle: {context: accuracy}, kl, top1}}}.
 
     Calibrated configurations are fitted on ``calibration_windows`` windows of 512 tokens of
-    ``calibration_corpus`` (default: the other corpus), which must differ from ``corpus``;
+    ``calibration_corpus`` (default: wikipedia, or lee when ``corpus`` is wikipedia), which
+    must differ from ``corpus``;
     profile configurations need a profile calibrated on another text than ``corpus``. ``compare`` adds the mean KL
     divergence from fp32 and the teacher-forced top-1 agreement on every scored token.
     The needle test runs ``needle_values`` secret codes at each depth (trials per context:
@@ -472,6 +473,9 @@ def diff(result: dict, a: str, b: str, n_boot: int = 2000, seed: int = 0) -> dic
     missing = [x for x in (a, b, "fp32") if x not in rows]
     if missing:
         raise ValueError(f"--diff needs {missing} among the scored configurations")
+    old = [x for x in (a, b, "fp32") if "per_window" not in rows[x]]
+    if old:
+        raise ValueError(f"{old} have no per-window sums (recorded before intervals): re-run them to compare")
     n = rows["fp32"]["per_window"]["n"]
     d = iv.difference(rows[a]["per_window"]["nll"], rows[b]["per_window"]["nll"], rows["fp32"]["per_window"]["nll"],
                       n, iv.resample(len(n), n_boot, seed))
@@ -489,8 +493,10 @@ def intervals_of(result: dict, metric: str = "ppl_increase") -> dict:
 def evaluate_domains(model, tokenizer, names: Sequence[str], corpora: Sequence[str], **kw) -> dict:
     """``evaluate`` the same configurations on each corpus of ``corpora`` (held-out domains:
     ``data.DOMAINS``), with the same keyword arguments (seeds, calibration corpus, …):
-    {"setup": {"corpora": […], …}, "domains": {corpus: evaluate(…)}}. A calibration corpus
-    among ``corpora`` is refused, as ``evaluate`` refuses it for calibrated rows."""
+    {"setup": {"corpora": […], …}, "domains": {corpus: evaluate(…)}}. Calibrated rows are
+    fitted on one calibration corpus for every domain (default: wikipedia, or lee when
+    wikipedia is scored), and a corpus they were fitted on — or a profile's calibration
+    corpus — is refused before anything is scored. Include "fp32" in ``names`` for intervals."""
     corpora = list(dict.fromkeys(corpora))
     if not corpora:
         raise ValueError("evaluate_domains needs at least one corpus")
@@ -506,8 +512,10 @@ def evaluate_domains(model, tokenizer, names: Sequence[str], corpora: Sequence[s
     runs = {}
     for corpus in corpora:
         runs[corpus] = evaluate(model, tokenizer, names, corpus=corpus, **kw)
-    setup = {k: v for k, v in next(iter(runs.values()))["setup"].items() if k not in ("corpus", "seconds")}
-    setup.update(corpora=corpora, seconds=sum(r["setup"]["seconds"] for r in runs.values()))
+    setup = {k: v for k, v in next(iter(runs.values()))["setup"].items()
+             if k not in ("corpus", "corpus_info", "seconds")}
+    setup.update(corpora=corpora, corpus_info={c: r["setup"].get("corpus_info") for c, r in runs.items()},
+                 seconds=sum(r["setup"]["seconds"] for r in runs.values()))
     return {"setup": setup, "domains": runs}
 
 
@@ -515,23 +523,34 @@ def worst_domain(run: dict, name: str) -> dict:
     """The held-out domain on which ``name`` loses most perplexity in ``run``
     (``evaluate_domains``'s output): {"corpus", "value", "lo", "hi"} (Δppl %, 95 % interval)."""
     rows = []
-    for corpus, result in run["domains"].items():
+    for corpus, result in _domains(run).items():
         if name not in result["results"]:
             raise ValueError(f"{name!r} was not scored on {corpus!r}")
-        i = result["results"][name]["intervals"]["ppl_increase"]
-        rows.append({"corpus": corpus, **i})
+        if "intervals" not in result["results"][name]:
+            raise ValueError(f"{name!r} on {corpus!r} has no interval: score it with 'fp32' among the names")
+        rows.append({"corpus": corpus, **result["results"][name]["intervals"]["ppl_increase"]})
     return max(rows, key=lambda r: r["value"])
+
+
+def _domains(run: dict) -> dict:
+    if not isinstance(run, dict) or "domains" not in run:
+        raise ValueError("expected evaluate_domains' output ({'setup': …, 'domains': {corpus: result}}); "
+                         "for one corpus use diff / the result's 'intervals'")
+    return run["domains"]
 
 
 def domain_diffs(run: dict, a: str, b: str) -> list:
     """``diff(a, b)`` on every domain of ``run`` (``evaluate_domains``'s output), each with
     its "corpus". ``a`` is *never worse than* ``b`` when no interval lies wholly above 0
     (``never_worse``)."""
-    return [{"corpus": corpus, **diff(result, a, b)} for corpus, result in run["domains"].items()]
+    return [{"corpus": corpus, **diff(result, a, b)} for corpus, result in _domains(run).items()]
 
 
 def never_worse(diffs: Sequence[dict]) -> bool:
     """True when no difference of ``domain_diffs`` is established as a loss (lo > 0)."""
+    diffs = list(diffs)
+    if not diffs:
+        raise ValueError("never_worse needs at least one domain's difference")
     return all(d["lo"] <= 0 for d in diffs)
 
 

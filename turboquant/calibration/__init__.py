@@ -1,6 +1,6 @@
 """Calibration (Chapter 10): calibrated codecs, model profiles, and the search that writes
-them (``turboquant calibrate``) — what ``make_prompt_cache(model, bits=…)`` needs to rebuild
-a model's calibrated cache. One package, one module per idea: ``fitting`` (statistics and
+them (``turboquant calibrate``) — what ``make_prompt_cache(model, bits=…, profile=True)`` needs
+to rebuild a model's calibrated cache. One package, one module per idea: ``fitting`` (statistics and
 per-layer coders), ``profiles`` (the profile files and the choice within a budget),
 ``store`` (fitted coders kept on disk and in memory), ``search`` (``calibrate``).
 

@@ -94,6 +94,9 @@ def plot_window_increases(result: dict, names, title: str = ""):
     each, against the scoring window: windows that are hard for one cache are hard for the
     others, which is why a paired difference is narrower than two intervals side by side."""
     rows = result["results"]
+    lacking = [x for x in ("fp32", *names) if "per_window" not in rows.get(x, {})]
+    if lacking:
+        raise ValueError(f"{lacking} have no per-window sums in this result (missing, or recorded before them)")
     n = np.asarray(rows["fp32"]["per_window"]["n"], dtype=np.float64)
     ref = np.asarray(rows["fp32"]["per_window"]["nll"], dtype=np.float64).reshape(-1, len(n))
     fig, ax = figure(width=7.0, height=3.4)
@@ -102,7 +105,8 @@ def plot_window_increases(result: dict, names, title: str = ""):
         inc = 100 * (np.exp((nll.mean(0) - ref.mean(0)) / n) - 1)
         ax.plot(np.arange(len(n)), inc, "o-", ms=3.5, color=COLORS[i % len(COLORS)], label=name)
     ax.axhline(0, c="k", lw=0.6)
-    ax.set_xlabel("scoring window (512 tokens each)")
+    window = result.get("setup", {}).get("window")
+    ax.set_xlabel(f"scoring window ({window} tokens each)" if window else "scoring window")
     ax.set_ylabel("perplexity increase in the window (%)")
     if title:
         ax.set_title(title, fontsize=10)
