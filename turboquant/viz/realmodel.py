@@ -20,7 +20,7 @@ def plot_ppl_frontier(rows, title: str = "", budget: float | None = None, interv
     (``budget.GOALS``): drawn as labelled steps. The y axis is linear within ±1 % and
     logarithmic beyond, so negative changes show. With ``budget``, a line at that many bits
     and the best configuration within it circled and named in the title."""
-    fig, ax = figure(width=7.0, height=4.4)
+    fig, ax = figure(width=7.0, height=5.0)
     fams = sorted({r[1] for r in rows if r[1] != "reference"})
     for i, fam in enumerate(fams):
         mine = [r for r in rows if r[1] == fam]
@@ -53,7 +53,7 @@ def plot_ppl_frontier(rows, title: str = "", budget: float | None = None, interv
             title = f"{title}\nno configuration within {budget:g} bits"
     if title:
         ax.set_title(title.strip(), fontsize=10)
-    ax.legend(fontsize=7, loc="upper right", ncol=2, frameon=False)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, frameon=False)
     fig.tight_layout()
     return fig
 
