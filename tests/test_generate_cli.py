@@ -51,7 +51,7 @@ def test_bad_options_are_one_line_errors(capsys, tmp_path):
                        (["--key-bits", "9"], "must be <= 8"), (["--key-bits", "0"], "must be >= 1"),
                        (["--bits", "0.5"], "argument --bits: no measured configuration fits 0.5 bits"),
                        (["--bits", "0.5", "--profile"],
-                        "argument --bits: the profile of smollm2-135m has no configuration within 0.5"),
+                        "argument --profile: the profile of smollm2-135m has no configuration within 0.5"),
                        (["--codec", '{"codec": "centered"}'], "missing 1 required positional argument: 'inner'")):
         with pytest.raises(SystemExit) as e:
             main(["generate", "--prompt", "x", "--max-tokens", "1", *opts])
