@@ -43,6 +43,32 @@ def test_statistics_leave_out_the_sink_and_group_the_queries(model):
         assert np.allclose(m[h], g.T @ g / len(g), rtol=1e-4, atol=1e-8)
 
 
+def test_the_value_metric_is_what_the_output_projection_makes_of_a_value_error(model):
+    """output_metric: eᵀ M_h e equals the mean over the query heads reading kv head h of
+    |W_j e|², W_j head j's columns of o_proj (measured on random errors); values fitted under
+    it lose less of that weighted error than values fitted without it."""
+    ids = ByteTokenizer().encode(TEXT)[:1024]
+    stats = cal.capture_statistics(model, ids, sink=1)
+    w = np.array(model.layers[1].self_attn.o_proj.weight, dtype=np.float64)       # (64, 4·16)
+    m = stats[1]["value_metric"]
+    assert m.shape == (2, 16, 16) and np.array_equal(m, cal.output_metric(model, 1, 2, 16))
+    e = np.random.default_rng(0).standard_normal((100, 16))
+    for h in range(2):
+        through = np.mean([np.sum((e @ w[:, 16 * j:16 * (j + 1)].T) ** 2, axis=1) for j in (2 * h, 2 * h + 1)], axis=0)
+        assert np.allclose(np.einsum("nd,de,ne->n", e, m[h], e), through, rtol=1e-9)
+    x = mx.array(stats[1]["v"].astype(np.float32))
+    err = {}
+    for on in (False, True):
+        _, values = cal.fit_layers(stats, 3.0, 3.0, outliers=0, value_metric=on)
+        d = np.array(values[1].decode(values[1].encode(x)), dtype=np.float64) - stats[1]["v"]
+        err[on] = np.mean(np.einsum("hnd,hde,hne->hn", d, m, d))
+    assert err[True] < err[False], err
+    with pytest.raises(ValueError, match="value metric"):
+        cal.fit_layers([{**stats[0], "value_metric": None}], 3.0, 3.0, value_metric=True)
+    with pytest.raises(ValueError, match="not a multiple"):
+        cal.output_metric(model, 0, 3, 16)
+
+
 def test_a_profile_records_the_best_candidate_within_each_budget(profile):
     assert [e["budget"] for e in profile["budgets"]] == [3.25, 4.25]
     for e in profile["budgets"]:
@@ -120,7 +146,7 @@ def test_damaged_profiles_are_refused(profile, tmp_path):
 
 def test_calibrated_configurations_need_another_evaluation_text():
     from turboquant.suite import evaluate
-    with pytest.raises(ValueError, match="evaluate them on another corpus"):
+    with pytest.raises(ValueError, match="calibration corpus .* other text, or on its held-out part"):
         evaluate(None, None, ["calibrated 4.25"], corpus="wikipedia", calibration_corpus="wikipedia")
 
 
@@ -211,3 +237,47 @@ def test_a_calibrated_cache_file_carries_its_coders_as_tensors(model, profile, t
     layer0: dict = {}
     to_tensors([cache[0].key_codec.config(), cache[0].value_codec.config()], layer0)
     assert once == set(layer0)
+
+
+def test_bits_across_layers_follow_the_high_rate_law():
+    """allocate_layers: the mean rate is met exactly on the 1/D grid; equal sensitivities
+    give every layer the same rate; a layer 4× as sensitive gets one bit more (½·log2 4),
+    as reverse water-filling across layers says; floors and errors."""
+    from turboquant.calibration import allocate_layers
+    assert allocate_layers([0.3] * 5, 3.25, 64) == [3.25] * 5
+    assert allocate_layers([1.0, 4.0], 3.25, 64) == [2.75, 3.75]
+    s = np.random.default_rng(1).uniform(0.2, 1.0, 30)              # no layer reaches the spread
+    b = np.array(allocate_layers(s, 4.25, 64))
+    assert np.all(b * 64 == np.round(b * 64)) and b.mean() == 4.25
+    closed = 4.25 + 0.5 * np.log2(s / np.exp(np.log(s).mean()))
+    assert np.all(np.abs(b - closed) <= 1 / 64 + 1e-9)
+    wide = np.array(allocate_layers(np.geomspace(1e-4, 1, 30), 4.25, 64))
+    assert wide.min() >= 2.75 and wide.max() <= 5.75 and wide.mean() == 4.25     # within the spread
+    assert allocate_layers([-0.1, 1.0], 3.0, 16)[0] == allocate_layers([0.02, 1.0], 3.0, 16)[0]   # floored
+    for bad, match in (([], "non-empty"), ([np.nan], "finite"), ([-1.0, 0.0], "positive")):
+        with pytest.raises(ValueError, match=match):
+            allocate_layers(bad, 3.0, 16)
+    with pytest.raises(ValueError, match="bits must lie"):
+        allocate_layers([1.0], 0.5, 16)
+
+
+def test_layer_sensitivity_feeds_the_allocation(model):
+    """layer_sensitivity codes one layer at a time (the rest exact); fit_layers(allocate=True)
+    then fits each layer at its own rate, keeping the mean."""
+    ids = ByteTokenizer().encode(TEXT)[:1024]
+    stats = cal.capture_statistics(model, ids, sink=1)
+    coarse = cal.layer_sensitivity(model, stats, ids, bits=2.0)
+    fine = cal.layer_sensitivity(model, stats, ids, bits=8.0, outliers=0)
+    assert coarse.shape == fine.shape == (2,) and np.all(np.isfinite(coarse))
+    assert np.all(np.abs(fine) < 1e-3) and np.all(np.abs(coarse) > 10 * np.abs(fine))   # a random model: any sign
+    sens = np.array([0.1, 0.4])
+    with pytest.raises(ValueError, match="sensitivity"):
+        cal.fit_layers(stats, 3.0, 3.0, allocate=True)
+    for s, v in zip(stats, sens):
+        s["sensitivity"] = float(v)
+    keys, values = cal.fit_layers(stats, 3.0, 3.0, allocate=True)
+    rates = [k.bits_per_coordinate for k in keys]
+    assert np.mean(rates) == 3.0 and rates == [v.bits_per_coordinate for v in values]
+    assert rates == cal.allocate_layers(sens, 3.0, 16, floor_bits=2.5) == [2.5, 3.5]   # 4× as sensitive: +1 bit
+    with pytest.raises(ValueError, match="2 layers"):
+        cal.fit_layers(stats, [3.0], 3.0)

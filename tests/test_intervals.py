@@ -127,3 +127,24 @@ def test_intervals_print_as_value_and_bounds():
     from turboquant.evaluation.intervals import as_text
     assert Interval(4.2912, 3.1234, 5.9111).text() == "+4.29 [+3.12, +5.91]"
     assert as_text({"value": 0.0316, "lo": 0.03, "hi": 0.034}, ".3f") == "0.032 [0.030, 0.034]"
+
+
+def test_wilson_interval_matches_its_formula_and_covers():
+    """Wilson's interval: 10/20 → [0.299, 0.701] (the textbook value), exact ends at 0/n and
+    n/n, inside [0, 1], and ~95 % coverage of a known success rate over many experiments."""
+    from turboquant.evaluation.intervals import wilson
+    iv = wilson(10, 20)
+    assert iv.value == 0.5 and abs(iv.lo - 0.2993) < 1e-4 and abs(iv.hi - 0.7007) < 1e-4
+    assert wilson(20, 20).hi == 1.0 and abs(wilson(20, 20).lo - 0.8389) < 1e-4
+    assert wilson(0, 20).lo == 0.0 and abs(wilson(0, 20).hi - 0.1611) < 1e-4
+    assert wilson(3, 20, level=0.99).lo < wilson(3, 20).lo < 0.15 < wilson(3, 20).hi < wilson(3, 20, level=0.99).hi
+    rng = np.random.default_rng(0)
+    for p in (0.2, 0.5, 0.9):
+        k = rng.binomial(20, p, size=4000)
+        cover = np.mean([wilson(int(x), 20).lo <= p <= wilson(int(x), 20).hi for x in k])
+        assert 0.92 < cover < 0.99, (p, cover)
+    for bad in ((21, 20), (-1, 20), (0, 0)):
+        with pytest.raises(ValueError, match="successes"):
+            wilson(*bad)
+    with pytest.raises(TypeError, match="trials"):
+        wilson(1, 2.0)

@@ -164,3 +164,50 @@ def test_needle_values_are_distinct_and_extend_chapter_9s():
     assert needle_values(21) == v and needle_values(2) == NEEDLE_VALUES[:2]
     with pytest.raises(ValueError, match="int ≥ 1"):
         needle_values(0)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "centered TQ-mse 3"])
+def test_needle_trials_sharing_the_haystack_equal_trials_run_alone(smol, kind):
+    """needle_accuracy prefills the haystack before the needle once per cell and deep-copies
+    the cache: only whole chunks are shared, so every trial runs the chunks it would run
+    alone — the same answers, the same logits."""
+    import mlx.core as mx
+    from turboquant.evaluation import needle_accuracy, prefill_logits
+    model, tok = smol
+    mk = None if kind == "fp32" else (lambda: make_prompt_cache(model, key_codec=lambda d: Centered(TurboQuantMSE(d, 3)),
+                                                                value_codec=lambda d: TurboQuantMSE(d, 3)))
+    hay = encode_text(tok, load_text("lee"), 400)
+    values = ("4721", "8356", "1943")
+    shared = needle_accuracy(model, tok, hay, [384], [0.5, 0.9], mk, values=values, chunk=64)
+    alone = needle_accuracy(model, tok, hay, [384], [0.5, 0.9], mk, values=values, chunk=64, share_prefix=False)
+    assert [t["answer"] for t in shared["trials"]] == [t["answer"] for t in alone["trials"]]
+    assert shared["cells"] == alone["cells"] and [c["n"] for c in shared["cells"]] == [3, 3]
+    assert all(0 <= c["lo"] <= c["ok"] / 3 <= c["hi"] <= 1 for c in shared["cells"])
+    prompts = [needle_prompt(tok, hay, 384, 0.9, v) for v in values]
+    same = next(i for i in range(384) if len({p[i] for p in prompts}) > 1)    # where the values differ
+    s = same // 64 * 64
+    assert s >= 256
+    fresh = (lambda: mk()) if mk else (lambda: __import__("mlx_lm").models.cache.make_prompt_cache(model))
+    whole = prefill_logits(model, mx.array(prompts[1])[None], fresh(), 64)
+    base = fresh()
+    prefill_logits(model, mx.array(prompts[1][:s])[None], base, 64)
+    rest = prefill_logits(model, mx.array(prompts[1][s:])[None], __import__("copy").deepcopy(base), 64)
+    assert mx.array_equal(whole[:, s:], rest).item()
+
+
+def test_held_out_calibration_text_is_scored_only_past_the_calibration_windows(smol):
+    """``start`` skips tokens of the corpus: past the calibration windows (8 × 512) calibrated
+    rows may be scored on their own calibration corpus — held-out calibration text, where
+    the profiles' levers are decided — and not before."""
+    from turboquant.suite import calibration_corpus_for, evaluate
+    model, tok = smol
+    with pytest.raises(ValueError, match="calibration corpus"):
+        calibration_corpus_for(["calibrated 4.25"], ["wikipedia"], "wikipedia", start=4095)
+    assert calibration_corpus_for(["calibrated 4.25"], ["wikipedia"], "wikipedia", start=4096) == "wikipedia"
+    with pytest.raises(ValueError, match="from start ≥ 6144"):
+        evaluate(model, tok, ["profile 4.25"], corpus="wikipedia", calibration_corpus="lee", start=4096,
+                 tokens=512, agreement_tokens=0, fidelity_tokens=0, progress=False)
+    r = evaluate(model, tok, ["fp32"], corpus="wikipedia", start=512, tokens=512, agreement_tokens=0,
+                 fidelity_tokens=0, progress=False)
+    alone = perplexity(model, encode_text(tok, load_text("wikipedia"), 1024)[512:], None, bos=r["setup"]["bos"])
+    assert r["setup"]["start"] == 512 and r["results"]["fp32"]["ppl"] == alone["ppl"]

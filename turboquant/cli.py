@@ -228,19 +228,17 @@ def _eval(args) -> int:
     from .suite import diff, evaluate_domains, worst_domain
     if "fp32" not in names:
         names = ["fp32"] + names          # the reference every increase is measured against
-    if any(CONFIGS[n].needs_calibration for n in names):
-        if args.calibration_corpus is not None and args.calibration_corpus in args.corpus:
-            args.parser.error(f"argument --corpus: {args.calibration_corpus!r} is the calibration corpus; "
-                              f"score calibrated configurations on other text")
-        if args.calibration_corpus is None and len(set(args.corpus)) > 1 and {"wikipedia", "lee"} <= set(args.corpus):
-            args.parser.error("argument --calibration-corpus: wikipedia and lee are both scored; name the "
-                              "calibration text (one the scored corpora do not include)")
+    from .suite import calibration_corpus_for
+    try:                                  # before loading a model: the check needs none
+        calibration_corpus_for(names, args.corpus, args.calibration_corpus, args.start)
+    except ValueError as e:
+        args.parser.error(f"argument {'--corpus' if args.calibration_corpus else '--calibration-corpus'}: {e}")
     model, tok = load(args.model)
     kw = dict(tokens=args.tokens, window=args.window, chunk=args.chunk,
               agreement_tokens=args.agreement_tokens, fidelity_tokens=args.fidelity_tokens,
               needle_contexts=args.needle_contexts, progress=not args.quiet,
               model_name=f"{args.model} (float32)", calibration_corpus=args.calibration_corpus,
-              compare=args.compare, needle_values=args.needle_values, seeds=args.seeds)
+              compare=args.compare, needle_values=args.needle_values, seeds=args.seeds, start=args.start)
     corpora = list(dict.fromkeys(args.corpus))
     if len(corpora) == 1:
         result = evaluate(model, tok, names, corpus=corpora[0], **kw)
@@ -449,6 +447,10 @@ def main(argv=None) -> int:
     e.add_argument("--calibration-corpus", choices=sorted(DOMAINS), default=None,
                    help="text the calibrated configurations are fitted on (default: wikipedia, or lee when "
                         "wikipedia is scored)")
+    e.add_argument("--start", type=_int_at_least(0), default=0,
+                   help="skip this many tokens of each corpus before scoring; past 4096 (the calibration "
+                        "windows) calibrated rows may be scored on their own calibration corpus: held-out "
+                        "calibration text (profiles: past 6144, their search's held-out tokens too)")
     e.add_argument("--compare", action="store_true",
                    help="also KL divergence from fp32 and top-1 agreement on every scored token")
     e.add_argument("--seeds", type=_int_at_least(1), default=1,

@@ -24,7 +24,7 @@ from .data import load_text
 from .prompt_cache import make_prompt_cache
 
 __all__ = ["mse_config", "best_under", "add_intervals", "diff", "Config", "Reference", "MlxQuantized", "Kivi", "Codecs", "Calibrated", "Profile",
-           "CONFIGS", "CHAPTER_CONFIGS", "evaluate", "frontier_rows",
+           "CONFIGS", "CHAPTER_CONFIGS", "calibration_corpus_for", "calibration_statistics", "evaluate", "frontier_rows",
            "intervals_of", "evaluate_domains", "worst_domain", "domain_diffs", "never_worse"]
 
 
@@ -206,6 +206,7 @@ class Calibrated(Config):
     fit: dict = field(default_factory=dict)
     sink_tokens: int = 1
     note: str = ""
+    fp_window: int = 0
     needs_calibration = True
 
     def make_cache(self, model, stats=None):
@@ -213,14 +214,18 @@ class Calibrated(Config):
         if stats is None:
             raise ValueError("a calibrated configuration needs calibration statistics")
         keys, values = fit_layers(stats, **self.fit)
-        return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values,
+        return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values, fp_window=self.fp_window,
                                          sink_tokens=self.sink_tokens, warn_rotating=False)
 
-    def bits(self, dim):                 # what the coders fitted from these arguments cost
+    def bits(self, dim):
+        """What the coders fitted from these arguments cost, plus the exact recent window
+        (``fp_window`` float16 copies) spread over a 512-token window: the suite's windows,
+        where it costs most."""
+        from .calibration import WINDOW
         from .codecs.transform import TransformCoder
         c = self.fit
         per = lambda b: TransformCoder.bits_for(b, dim, c.get("outliers", 0), c.get("uniform", False))
-        return (per(c["key_bits"]) + per(c["value_bits"])) / 2
+        return (per(c["key_bits"]) + per(c["value_bits"])) / 2 + 16 * self.fp_window / WINDOW
 
 
 @dataclass(frozen=True)
@@ -303,7 +308,21 @@ CONFIGS: dict[str, Config] = {
        for b in (4.25, 3.25, 2.25) for label, kw in (
            ("channels + water-filling", dict(outliers=0, transform="channels")),
            ("KLT", dict(outliers=0, query_metric=False)),
-           ("KLT + query metric", dict(outliers=0)))},
+           ("KLT + query metric", dict(outliers=0)),
+           ("KLT + query metric + value metric", dict(outliers=0, value_metric=True)))},
+    # ---- levers tried on top of "calibrated b" (Chapter 10's ablation)
+    **{f"calibrated {b}, value metric": Calibrated(
+        "calibrated transform coding (levers)", fit=dict(key_bits=b, value_bits=b, outliers=1, value_metric=True),
+        note="as calibrated b, values coded under the output projection's metric W_oᵀW_o")
+       for b in (4.25, 3.25, 2.25)},
+    **{f"calibrated {b}, layers by sensitivity": Calibrated(
+        "calibrated transform coding (levers)", fit=dict(key_bits=b, value_bits=b, outliers=1, allocate=True),
+        note="as calibrated b, the bits spread across layers by each layer's measured perplexity "
+             "sensitivity (calibration.allocate_layers), same mean") for b in (4.25, 3.25, 2.25)},
+    **{f"calibrated {b}, recent 16": Calibrated(
+        "calibrated transform coding (levers)", fit=dict(key_bits=b - 0.5, value_bits=b - 0.5, outliers=1),
+        fp_window=16, note="calibrated b − 0.5 plus the 16 newest tokens exact (float16): 0.5 bits "
+                           "at a 512-token window") for b in (4.25, 3.25, 2.25)},
     **{f"profile {b}": Profile(b) for b in (4.25, 3.25, 2.25)},
 }
 
@@ -317,20 +336,64 @@ def _dims(model):
     return geometry_from_model(model).head_dim
 
 
-def _refuse_tuned_on(model, names, corpus: str, calibration_corpus: str) -> None:
-    """Calibrated rows and profiles are scored only on text they were not fitted on."""
+def calibration_corpus_for(names: Sequence[str], corpora: Sequence[str],
+                           calibration_corpus: Optional[str] = None, start: int = 0,
+                           calibration_windows: int = 8) -> Optional[str]:
+    """The text the calibrated configurations among ``names`` are fitted on when they are
+    scored on ``corpora``: ``calibration_corpus``, or by default wikipedia (lee when
+    wikipedia is scored). ``ValueError`` when it is one of ``corpora`` (a calibrated row is
+    never scored on its own calibration tokens) or when both defaults are scored and none
+    was named. Scoring from token ``start`` on, past the ``calibration_windows`` windows the
+    rows are fitted on, is scoring *held-out* calibration text: allowed. Needs no model: the
+    CLI checks before loading one."""
+    from .calibration import WINDOW
+    if start >= calibration_windows * WINDOW and calibration_corpus is not None:
+        return calibration_corpus                # disjoint tokens of the calibration text
     calibrated = [n for n in names if CONFIGS[n].needs_calibration]
-    if calibrated and calibration_corpus == corpus:
-        raise ValueError(f"{calibrated} are calibrated on {calibration_corpus!r}: evaluate them on another "
-                         f"corpus (corpus={corpus!r})")
+    if calibration_corpus is None:
+        calibration_corpus = next((c for c in ("wikipedia", "lee") if c not in corpora), None)
+        if calibration_corpus is None and calibrated:
+            raise ValueError("wikipedia and lee are both scored: name the calibration text (calibration_corpus, "
+                             "one the scored corpora do not include)")
+    if calibrated and calibration_corpus in corpora:
+        raise ValueError(f"{calibration_corpus!r} is the calibration corpus of {calibrated}: score calibrated "
+                         f"configurations on other text, or on its held-out part (start ≥ "
+                         f"{calibration_windows * WINDOW})")
+    return calibration_corpus
+
+
+def _refuse_tuned_on(model, names, corpus: str, calibration_corpus: str, start: int = 0,
+                     calibration_windows: int = 8) -> None:
+    """Calibrated rows and profiles are scored only on tokens they were not fitted or
+    chosen on (a profile: its calibration windows and the held-out tokens its search
+    scored)."""
+    calibration_corpus_for(names, [corpus], calibration_corpus, start, calibration_windows)
     profiled = [n for n in names if CONFIGS[n].needs_profile]
     if profiled:
         from .calibration import find_profile
         prof = find_profile(model)
         if prof is None:
             raise ValueError(f"{profiled} need a profile for this model: run `turboquant calibrate` first")
-        if prof["calibration"]["corpus"] == corpus:
-            raise ValueError(f"{profiled} use a profile calibrated on {corpus!r}: evaluate them on another corpus")
+        used = len(prof["calibration"]["ids"]) + int(prof.get("heldout", {}).get("tokens", 0))
+        if prof["calibration"]["corpus"] == corpus and start < used:
+            raise ValueError(f"{profiled} use a profile calibrated on {corpus!r} (its first {used} tokens): "
+                             f"evaluate them on another corpus, or from start ≥ {used}")
+
+
+def calibration_statistics(model, tokenizer, names: Sequence[str], corpus: str, windows: int = 8,
+                           progress: bool = False) -> list[dict]:
+    """What the calibrated configurations among ``names`` are fitted on: per-layer
+    statistics of ``windows`` windows of ``corpus`` (``calibration.capture_statistics``),
+    with each layer's measured "sensitivity" on the first four windows when a
+    configuration allocates bits across layers (``calibration.layer_sensitivity``)."""
+    from .calibration import WINDOW, capture_statistics, layer_sensitivity
+    bos = tqeval.bos_id(tokenizer)
+    cal = tqeval.encode_text(tokenizer, load_text(corpus), windows * WINDOW)
+    stats = capture_statistics(model, cal, bos=bos)
+    if any(getattr(CONFIGS[n], "fit", {}).get("allocate") for n in names):
+        for s, v in zip(stats, layer_sensitivity(model, stats, cal[:4 * WINDOW], bos=bos, progress=progress)):
+            s["sensitivity"] = float(v)
+    return stats
 
 
 def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window: int = 512,
@@ -339,14 +402,18 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
              corpus: str = "wikipedia", progress: bool = True,
              model_name: str = "SmolLM2-135M-Instruct (GGUF Q4_1 → float32)",
              calibration_corpus: Optional[str] = None, calibration_windows: int = 8,
-             compare: bool = False, needle_values: int = 4, seeds: int = 1) -> dict:
+             compare: bool = False, needle_values: int = 4, seeds: int = 1,
+             statistics: Optional[list] = None, start: int = 0) -> dict:
     """Score each named configuration on the same tokens; returns a JSON-able dict:
     {"setup": …, "results": {name: {ppl, ppl_increase, bits, measured_bits, agreement,
-    fidelity: [per-layer cos], needle: {context: accuracy}, kl, top1}}}.
+    fidelity: [per-layer cos], needle: {context: accuracy}, needle_cells: [per context × depth: ok, n,
+    Wilson interval], needle_trials, kl, top1}}}.
 
     Calibrated configurations are fitted on ``calibration_windows`` windows of 512 tokens of
     ``calibration_corpus`` (default: wikipedia, or lee when ``corpus`` is wikipedia), which
-    must differ from ``corpus``;
+    must differ from ``corpus`` unless ``start`` (tokens of ``corpus`` skipped before
+    scoring) puts the scored tokens past the calibration windows (``statistics``: ``calibration_statistics`` already
+    captured on ``calibration_corpus``, as ``evaluate_domains`` passes to every domain);
     profile configurations need a profile calibrated on another text than ``corpus``. ``compare`` adds the mean KL
     divergence from fp32 and the teacher-forced top-1 agreement on every scored token.
     The needle test runs ``needle_values`` secret codes at each depth (trials per context:
@@ -367,20 +434,22 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
     if calibration_corpus is None:
         calibration_corpus = "lee" if corpus == "wikipedia" else "wikipedia"
     calibrated = [n for n in names if CONFIGS[n].needs_calibration]
-    _refuse_tuned_on(model, names, corpus, calibration_corpus)
+    start = check_int("start", start, 0)
+    _refuse_tuned_on(model, names, corpus, calibration_corpus, start, calibration_windows)
     text = load_text(corpus)
-    ids = tqeval.encode_text(tokenizer, text, tokens)
+    ids = tqeval.encode_text(tokenizer, text, start + tokens)[start:]
+    if len(ids) < tokens:
+        raise ValueError(f"{corpus!r} has {start + len(ids)} tokens: too few for start={start} + tokens={tokens}")
     prompt = ids[:256]
     bos = tqeval.bos_id(tokenizer)
     captured = tqeval.capture_qkv(model, ids[:fidelity_tokens]) if fidelity_tokens else None
     hay = tqeval.encode_text(tokenizer, load_text("lee"), max(needle_contexts)) if needle_contexts else None
     D = _dims(model)
-    stats = None
-    if calibrated:
-        from .calibration import WINDOW, capture_statistics
-        cal = tqeval.encode_text(tokenizer, load_text(calibration_corpus), calibration_windows * WINDOW)
-        stats = capture_statistics(model, cal, bos=bos)
-    results, start = {}, time.time()
+    stats = (statistics if statistics is not None
+             else calibration_statistics(model, tokenizer, calibrated, calibration_corpus, calibration_windows,
+                                         progress) if calibrated else None)
+    sens = [s["sensitivity"] for s in stats] if stats and "sensitivity" in stats[0] else None
+    results, began = {}, time.time()
     from .progress import progress as progress_bar
     for name in progress_bar(names, len(names), "configurations", progress):
         cfg = CONFIGS[name]
@@ -417,6 +486,8 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
             n = tqeval.needle_accuracy(model, tokenizer, hay, needle_contexts, needle_depths, mk,
                                        values=tqeval.needle_values(needle_values))
             row["needle"] = {str(c): a for c, a in n["accuracy"].items()}
+            row["needle_cells"] = n["cells"]
+            row["needle_trials"] = n["trials"]
         row["seconds"] = time.time() - t0
         results[name] = row
     ref = results.get("fp32", {}).get("ppl")
@@ -426,14 +497,16 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
         add_intervals(results)
     from .data import corpus_info
     return {"setup": {"model": model_name, "corpus": corpus, "corpus_info": corpus_info(corpus), "bos": bos,
-                      "calibration": {"corpus": calibration_corpus, "windows": calibration_windows}
+                      "start": start,
+                      "calibration": {"corpus": calibration_corpus, "windows": calibration_windows,
+                                      **({"layer_sensitivity": [float(v) for v in sens]} if sens is not None else {})}
                       if calibrated else None, "compare": compare,
                       "tokens": tokens, "window": window, "chunk": chunk,
                       "agreement_tokens": agreement_tokens, "fidelity_tokens": fidelity_tokens,
                       "needle_contexts": list(needle_contexts), "needle_depths": list(needle_depths),
                       "needle_values": needle_values, "seeds": seeds,
                       "machine": platform.machine(), "mlx": mx.__version__,
-                      "seconds": time.time() - start},
+                      "seconds": time.time() - began},
             "results": results}
 
 
@@ -503,13 +576,15 @@ def evaluate_domains(model, tokenizer, names: Sequence[str], corpora: Sequence[s
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configuration(s) {unknown}; known: {sorted(CONFIGS)}")
-    if kw.get("calibration_corpus") is None:    # one calibration text for every domain
-        kw["calibration_corpus"] = next((c for c in ("wikipedia", "lee") if c not in corpora), None)
-        if kw["calibration_corpus"] is None and any(CONFIGS[n].needs_calibration for n in names):
-            raise ValueError("give calibration_corpus: wikipedia and lee are both among the corpora")
+    cw, start = kw.get("calibration_windows", 8), kw.get("start", 0)
+    kw["calibration_corpus"] = calibration_corpus_for(names, corpora, kw.get("calibration_corpus"), start, cw)
     for corpus in corpora:                     # refuse before hours of scoring, not after
-        _refuse_tuned_on(model, names, corpus, kw["calibration_corpus"] or "wikipedia")
+        _refuse_tuned_on(model, names, corpus, kw["calibration_corpus"] or "wikipedia", start, cw)
     runs = {}
+    calibrated = [n for n in names if CONFIGS[n].needs_calibration]
+    if calibrated and kw.get("statistics") is None:       # captured once, for every domain
+        kw["statistics"] = calibration_statistics(model, tokenizer, calibrated, kw["calibration_corpus"],
+                                                  kw.get("calibration_windows", 8), kw.get("progress", True))
     for corpus in corpora:
         runs[corpus] = evaluate(model, tokenizer, names, corpus=corpus, **kw)
     setup = {k: v for k, v in next(iter(runs.values()))["setup"].items()

@@ -1,7 +1,8 @@
 """Calibration (Chapter 10): calibrated codecs, model profiles, and the search that writes
 them (``turboquant calibrate``) — what ``make_prompt_cache(model, bits=…, profile=True)`` needs
 to rebuild a model's calibrated cache. One package, one module per idea: ``fitting`` (statistics and
-per-layer coders), ``profiles`` (the profile files and the choice within a budget),
+per-layer coders), ``allocation`` and ``sensitivity`` (bits across layers by measured sensitivity),
+``profiles`` (the profile files and the choice within a budget),
 ``store`` (fitted coders kept on disk and in memory), ``search`` (``calibrate``).
 
 A profile records, for one model, which calibrated cache to use at each memory budget and
@@ -25,13 +26,15 @@ process loads them in about a second; memoised within a process.
 Profiles for the installed models ship in ``turboquant/profiles``; ``turboquant calibrate``
 writes new ones under ``$TURBOQUANT_CACHE/profiles``, where ``find_profile`` looks first.
 """
-from .fitting import WINDOW, Choice, capture_statistics, fit_layers, signature
+from .allocation import PROBE_BITS, allocate_layers
+from .fitting import WINDOW, Choice, capture_statistics, fit_layers, output_metric, signature
 from .profiles import (PROFILE_FORMAT, PROFILE_VERSION, SHIPPED, find_profile, ids_digest, load_profile,
                        profile_entry, profile_path, save_profile, shipped_profiles)
 from .search import calibrate, candidates
+from .sensitivity import layer_sensitivity
 from .store import CODER_STORE_VERSION, clear_memo, coder_store_path, profile_codecs
 
-__all__ = ["Choice", "capture_statistics", "fit_layers", "signature", "WINDOW", "profile_path", "shipped_profiles",
+__all__ = ["layer_sensitivity", "allocate_layers", "PROBE_BITS", "Choice", "capture_statistics", "fit_layers", "output_metric", "signature", "WINDOW", "profile_path", "shipped_profiles",
            "find_profile", "load_profile", "save_profile", "profile_entry", "ids_digest", "PROFILE_FORMAT",
            "PROFILE_VERSION", "SHIPPED", "profile_codecs", "coder_store_path", "clear_memo", "CODER_STORE_VERSION",
            "candidates", "calibrate"]

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..progress import progress as progress_bar
 
-__all__ = ["Choice", "capture_statistics", "fit_layers", "signature", "WINDOW"]
+__all__ = ["Choice", "capture_statistics", "fit_layers", "output_metric", "signature", "WINDOW"]
 
 WINDOW = 512
 
@@ -45,12 +45,39 @@ def signature(model) -> dict:
             "vocab_size": int(getattr(args, "vocab_size", 0) or 0)}
 
 
+def output_metric(model, layer: int, n_kv_heads: int, head_dim: int) -> np.ndarray:
+    """(H, D, D): the value-side metric of layer ``layer``, the mean over the query heads j
+    that read kv head h of W_jᵀ W_j, W_j the columns of the output projection ``o_proj``
+    that head j's output passes through. A value error e reaches the layer's output as
+    W_j Σ_t p_t e_t, so with errors independent across tokens its expected square is
+    Σ_t p_t² eᵀ W_jᵀ W_j e: the output projection decides which value errors matter, as
+    the queries do for keys (``metric``). Quantized projections are dequantized first."""
+    import mlx.core as mx
+    try:
+        proj = model.layers[layer].self_attn.o_proj
+    except (AttributeError, IndexError):
+        raise ValueError(f"layer {layer} of this model has no self_attn.o_proj: no value metric") from None
+    w = proj.weight
+    if hasattr(proj, "scales"):                      # mlx QuantizedLinear
+        w = mx.dequantize(w, proj.scales, getattr(proj, "biases", None), proj.group_size, proj.bits)
+    w = np.array(w.astype(mx.float32), dtype=np.float64)             # (hidden, n_heads·D)
+    n_heads, rem = divmod(w.shape[1], head_dim)
+    if rem or n_heads % n_kv_heads:
+        raise ValueError(f"o_proj of layer {layer} has {w.shape[1]} inputs: not a multiple of "
+                         f"{n_kv_heads} kv heads × head size {head_dim}")
+    g = n_heads // n_kv_heads
+    per_head = w.reshape(w.shape[0], n_heads, head_dim).transpose(1, 0, 2)   # (n_heads, hidden, D)
+    m = np.einsum("jod,joe->jde", per_head, per_head)
+    return m.reshape(n_kv_heads, g, head_dim, head_dim).mean(axis=1)
+
+
 def capture_statistics(model, ids: Sequence[int], bos: Optional[int] = None, window: int = WINDOW,
                        sink: int = 1, progress: bool = False) -> list[dict]:
-    """Per layer {"k", "v": (H, N, D) float64, "metric": (H, D, D)} from the model run on
-    consecutive windows of ``ids`` (each preceded by ``bos`` if given), the first ``sink``
-    positions of each window (and the BOS) left out. "metric" is E[q qᵀ] over the query
-    heads that read each kv head (grouped-query attention)."""
+    """Per layer {"k", "v": (H, N, D) float64, "metric", "value_metric": (H, D, D)} from the
+    model run on consecutive windows of ``ids`` (each preceded by ``bos`` if given), the
+    first ``sink`` positions of each window (and the BOS) left out. "metric" is E[q qᵀ]
+    over the query heads that read each kv head (grouped-query attention);
+    "value_metric" is ``output_metric`` (None where the model has no ``o_proj``)."""
     from ..evaluation import capture_qkv
     ids = [int(i) for i in ids]
     n_win = len(ids) // window
@@ -71,20 +98,57 @@ def capture_statistics(model, ids: Sequence[int], bos: Optional[int] = None, win
         H, g = k.shape[0], q.shape[0] // k.shape[0]
         metric = np.stack([np.einsum("gnd,gne->de", q[h * g:(h + 1) * g], q[h * g:(h + 1) * g])
                            / (g * q.shape[1]) for h in range(H)])
-        stats.append({"k": k, "v": v, "metric": metric})
+        try:
+            vm = output_metric(model, len(stats), H, k.shape[-1])
+        except ValueError:
+            vm = None
+        stats.append({"k": k, "v": v, "metric": metric, "value_metric": vm})
     return stats
 
 
 def fit_layers(stats: list[dict], key_bits: float, value_bits: float, outliers: int = 1,
                transform: str = "klt", query_metric: bool = True, uniform: bool = False,
+               value_metric: bool = False, allocate: bool = False,
                progress: bool = False) -> tuple[list, list]:
-    """(key codecs, value codecs), one ``TransformCoder`` per layer of ``stats``."""
+    """(key codecs, value codecs), one ``TransformCoder`` per layer of ``stats``. Keys are
+    coded under the query metric (``query_metric``), values under the output projection's
+    (``value_metric``; ``output_metric``), both only with ``transform="klt"``.
+    ``key_bits``/``value_bits`` are one rate for every layer or one per layer; with
+    ``allocate``, the rates are spread across layers by each layer's measured
+    "sensitivity" (``allocation.layer_sensitivity``, stored in ``stats``) at the same mean
+    (``allocation.allocate_layers``)."""
     from ..codecs.transform import TransformCoder
+    if value_metric and any(s.get("value_metric") is None for s in stats):
+        raise ValueError("value_metric=True needs statistics with a value metric (a model with o_proj; "
+                         "capture_statistics records it)")
+    floor = 1.0 + 24 * outliers / stats[0]["k"].shape[-1] if stats else 1.0   # ≥ 1 payload bit per coordinate
+    key_bits, value_bits = (_per_layer(b, stats, allocate, floor) for b in (key_bits, value_bits))
     keys, values = [], []
-    for s in progress_bar(stats, len(stats), "fit", progress):
+    for s, kb, vb in progress_bar(zip(stats, key_bits, value_bits), len(stats), "fit", progress):
         metric = s["metric"] if query_metric and transform == "klt" else None
-        keys.append(TransformCoder.calibrate(s["k"], key_bits, metric=metric, transform=transform,
+        vmetric = s["value_metric"] if value_metric and transform == "klt" else None
+        keys.append(TransformCoder.calibrate(s["k"], kb, metric=metric, transform=transform,
                                              outliers=outliers, uniform=uniform))
-        values.append(TransformCoder.calibrate(s["v"], value_bits, transform=transform, outliers=outliers,
-                                               uniform=uniform))
+        values.append(TransformCoder.calibrate(s["v"], vb, metric=vmetric, transform=transform,
+                                               outliers=outliers, uniform=uniform))
     return keys, values
+
+
+def _per_layer(bits, stats: list[dict], allocate: bool, floor_bits: float) -> list[float]:
+    """One rate per layer: ``bits`` repeated, a list checked for length, or (``allocate``)
+    spread by the layers' measured sensitivity."""
+    if allocate:
+        from .allocation import allocate_layers
+        if any("sensitivity" not in s for s in stats):
+            raise ValueError("allocate=True needs each layer's 'sensitivity' in the statistics "
+                             "(calibration.layer_sensitivity)")
+        if not isinstance(bits, (int, float)):
+            raise TypeError(f"allocate=True takes one mean rate, got {bits!r}")
+        return allocate_layers([s["sensitivity"] for s in stats], float(bits), stats[0]["k"].shape[-1],
+                               floor_bits=floor_bits)
+    if isinstance(bits, (int, float)) and not isinstance(bits, bool):
+        return [float(bits)] * len(stats)
+    bits = list(bits)
+    if len(bits) != len(stats):
+        raise ValueError(f"{len(bits)} rates for {len(stats)} layers")
+    return [float(b) for b in bits]

@@ -23,7 +23,8 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["Interval", "resample", "ppl_increase", "mean_rate", "difference", "as_text", "LEVEL", "N_BOOT"]
+__all__ = ["Interval", "resample", "increase", "ppl_increase", "mean_rate", "difference", "wilson", "as_text", "LEVEL",
+           "N_BOOT"]
 
 LEVEL = 0.95
 N_BOOT = 2000
@@ -54,6 +55,13 @@ def as_text(interval: dict, fmt: str = "+.2f") -> str:
     """An interval as recorded in JSON ({"value", "lo", "hi"}) as "value [lo, hi]"."""
     v, lo, hi = (format(interval[k], fmt) for k in ("value", "lo", "hi"))
     return f"{v} [{lo}, {hi}]"
+
+
+def increase(nll, nll_ref, tokens):
+    """Perplexity increase in % from NLL sums over the same ``tokens``:
+    100·(exp((nll − nll_ref)/tokens) − 1). The one formula: point estimates, bootstrap
+    samples and per-window plots all go through it (numbers or arrays)."""
+    return 100 * (np.exp((np.asarray(nll, dtype=np.float64) - nll_ref) / tokens) - 1)
 
 
 def _seeds_by_windows(a, n_windows: int, name: str) -> np.ndarray:
@@ -106,9 +114,8 @@ def ppl_increase(nll, nll_ref, n, windows: Optional[np.ndarray] = None, level: f
     x, ref = _seeds_by_windows(nll, W, "nll"), _seeds_by_windows(nll_ref, W, "nll_ref")
     windows = resample(W) if windows is None else windows
     seeds, ref_seeds = _seed_draws(x.shape[0], len(windows), salt), _seed_draws(ref.shape[0], len(windows), salt + 1)
-    stat = lambda d, tokens: 100 * (np.exp(d / tokens) - 1)    # noqa: E731
-    point = stat(_pooled(x, None, None) - _pooled(ref, None, None), n.sum())
-    samples = stat(_pooled(x, windows, seeds) - _pooled(ref, windows, ref_seeds), n[windows].sum(axis=-1))
+    point = increase(_pooled(x, None, None), _pooled(ref, None, None), n.sum())
+    samples = increase(_pooled(x, windows, seeds), _pooled(ref, windows, ref_seeds), n[windows].sum(axis=-1))
     return _interval(point, samples, level)
 
 
@@ -136,7 +143,7 @@ def difference(nll_a, nll_b, nll_ref, n, windows: Optional[np.ndarray] = None, l
     sa, sb, sr = _seed_draws(a.shape[0], B, 1), _seed_draws(b.shape[0], B, 2), _seed_draws(ref.shape[0], B, 3)
     if a.shape == b.shape and np.array_equal(a, b):
         sb = sa                                                # the same configuration: the same draws
-    stat = lambda x, r, tokens: 100 * (np.exp((x - r) / tokens) - 1)   # noqa: E731
+    stat = increase
     tokens = n[windows].sum(axis=-1)
     ref_s = _pooled(ref, windows, sr)
     if paired:
@@ -148,3 +155,28 @@ def difference(nll_a, nll_b, nll_ref, n, windows: Optional[np.ndarray] = None, l
     r0 = _pooled(ref, None, None)
     point = stat(_pooled(a, None, None), r0, n.sum()) - stat(_pooled(b, None, None), r0, n.sum())
     return _interval(point, samples, level)
+
+
+def wilson(successes: int, trials: int, level: float = LEVEL) -> Interval:
+    """A success rate k/n (needle retrieval) with Wilson's score interval (Wilson 1927):
+    the p whose normal test at ``level`` does not reject k successes in n trials,
+
+        (p̂ + z²/2n ± z·√(p̂(1 − p̂)/n + z²/4n²)) / (1 + z²/n).
+
+    Unlike p̂ ± z·√(p̂(1 − p̂)/n) it stays inside [0, 1] and is not empty at 0/n or n/n
+    (20 of 20 gives [0.84, 1]: twenty successes do not prove a perfect method)."""
+    from statistics import NormalDist
+    for name, v in (("successes", successes), ("trials", trials)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {v!r}")
+    if trials < 1 or not 0 <= successes <= trials:
+        raise ValueError(f"need 0 ≤ successes ≤ trials and trials ≥ 1, got {successes} of {trials}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level!r}")
+    z = NormalDist().inv_cdf((1 + level) / 2)
+    p, n = successes / trials, trials
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    lo = 0.0 if successes == 0 else float(max(0.0, centre - half))       # exact ends, not rounding error
+    hi = 1.0 if successes == trials else float(min(1.0, centre + half))
+    return Interval(p, lo, hi)

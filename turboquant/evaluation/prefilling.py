@@ -38,7 +38,10 @@ def prefill_logits(model, tokens: mx.array, cache, chunk: int) -> mx.array:
 
 def greedy(model, ids: mx.array, cache, n_tokens: int, chunk: int) -> list[int]:
     """Prefill ``ids`` (1, P) through ``cache`` in chunks, then ``n_tokens`` greedy tokens."""
-    logits = prefill_logits(model, ids, cache, chunk)[:, -1]
+    logits = None
+    for _, part in prefill(model, ids, cache, chunk):
+        logits = part[:, -1]                    # only the last position is needed: never all (P, V)
+        mx.eval(logits)
     out = []
     for _ in range(n_tokens):
         t = logits.argmax(-1)

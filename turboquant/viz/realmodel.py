@@ -93,6 +93,7 @@ def plot_window_increases(result: dict, names, title: str = ""):
     ``suite.evaluate``'s ``result`` with their "per_window" sums; seeds averaged), one line
     each, against the scoring window: windows that are hard for one cache are hard for the
     others, which is why a paired difference is narrower than two intervals side by side."""
+    from ..evaluation.intervals import increase
     rows = result["results"]
     lacking = [x for x in ("fp32", *names) if "per_window" not in rows.get(x, {})]
     if lacking:
@@ -102,7 +103,7 @@ def plot_window_increases(result: dict, names, title: str = ""):
     fig, ax = figure(width=7.0, height=3.4)
     for i, name in enumerate(names):
         nll = np.asarray(rows[name]["per_window"]["nll"], dtype=np.float64).reshape(-1, len(n))
-        inc = 100 * (np.exp((nll.mean(0) - ref.mean(0)) / n) - 1)
+        inc = increase(nll.mean(0), ref.mean(0), n)
         ax.plot(np.arange(len(n)), inc, "o-", ms=3.5, color=COLORS[i % len(COLORS)], label=name)
     ax.axhline(0, c="k", lw=0.6)
     window = result.get("setup", {}).get("window")
