@@ -25,7 +25,12 @@ def test_eval_lists_and_runs_a_small_comparison(tmp_path, capsys):
     assert set(res) == {"fp32", "TQ-mse 2"}
     assert res["TQ-mse 2"]["ppl"] > res["fp32"]["ppl"] and res["TQ-mse 2"]["bits"] == 2.25
     assert len(res["TQ-mse 2"]["fidelity_cos"]) == 30 and "256" in res["TQ-mse 2"]["needle"]
-    assert "TQ-mse 2" in capsys.readouterr().out
+    cells = res["TQ-mse 2"]["needle_cells"]
+    assert [(c["context"], c["depth"], c["n"]) for c in cells] == [(256, 0.1, 1), (256, 0.5, 1), (256, 0.9, 1)]
+    assert len(res["TQ-mse 2"]["needle_trials"]) == 3
+    printed = capsys.readouterr().out
+    assert "TQ-mse 2" in printed and "needle retrieval (successes of 1, 95 % Wilson interval)" in printed
+    assert "256@10%" in printed
 
 
 def test_eval_prints_intervals_seeds_and_a_paired_difference(tmp_path, capsys):
@@ -81,6 +86,8 @@ def test_eval_on_several_domains_summarises_each_configurations_worst(tmp_path, 
     (["eval", "--corpus", "code", "docs", "--calibration-corpus", "docs", "--configs", "calibrated 4.25"],
      "argument --corpus: 'docs' is the calibration corpus"),
     (["eval", "--corpus", "novels"], "argument --corpus: invalid choice: 'novels'"),
+    (["eval", "--configs", "KIVI", "4"], 'a name with spaces is one argument: quote it, e.g. --configs "KIVI 4"'),
+    (["eval", "--start", "-1"], "argument --start: must be >= 0, got -1"),
     (["eval", "--corpus", "wikipedia", "lee", "--configs", "calibrated 3.25"],
      "argument --calibration-corpus: wikipedia and lee are both scored"),
     (["generate", "--prompt", "x", "--load-cache", "c.safetensors", "--profile"],

@@ -214,7 +214,9 @@ def _eval(args) -> int:
         list(CHAPTER_CONFIGS) if args.configs == ["chapter"] else args.configs)
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
-        args.parser.error(f"argument --configs: unknown configuration(s) {', '.join(map(repr, unknown))}; "
+        split = [n for n in CONFIGS if " " in n and " ".join(args.configs).find(n) >= 0 and n not in names]
+        hint = (f" (a name with spaces is one argument: quote it, e.g. --configs \"{split[0]}\")" if split else "")
+        args.parser.error(f"argument --configs: unknown configuration(s) {', '.join(map(repr, unknown))}{hint}; "
                           f"valid: 'chapter', 'all', " + ", ".join(repr(n) for n in CONFIGS))
     if args.tokens < args.window:
         args.parser.error(f"argument --tokens: {args.tokens} tokens are fewer than one --window of "
@@ -255,6 +257,14 @@ def _eval(args) -> int:
         for name, _, bits, ppl, inc in frontier_rows(run):
             i = run["results"][name]["intervals"]["ppl_increase"]
             print(f"{name:32s} {bits:>6.3g} {ppl:>9.3f} {inc:>+8.2f}  [{i['lo']:>+7.2f}, {i['hi']:>+7.2f}]")
+        needles = {n: r["needle_cells"] for n, r in run["results"].items() if "needle_cells" in r}
+        if needles:
+            cells = next(iter(needles.values()))
+            heads = [f"{c['context']}@{c['depth']:.0%}" for c in cells]
+            print(f"needle retrieval (successes of {cells[0]['n']}, 95 % Wilson interval) at context@depth:")
+            print(f"{'configuration':32s} " + " ".join(f"{h:>17}" for h in heads))
+            for name, cs in needles.items():
+                print(f"{name:32s} " + " ".join(f"{c['ok']:>3d} [{c['lo']:.2f}, {c['hi']:.2f}]" for c in cs))
         if args.diff:
             d = diff(run, *args.diff)
             run["diff"] = d
