@@ -219,8 +219,9 @@ class Calibrated(Config):
 
     def bits(self, dim):
         """What the coders fitted from these arguments cost, plus the exact recent window
-        (``fp_window`` float16 copies) spread over a 512-token window: the suite's windows,
-        where it costs most."""
+        (``fp_window`` copies, counted as float16) spread over a 512-token window: the
+        suite's windows, where it costs most. The copies are in the cache's dtype: a float32
+        model's cost twice that, as its measured bits show."""
         from .calibration import WINDOW
         from .codecs.transform import TransformCoder
         c = self.fit
