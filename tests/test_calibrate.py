@@ -22,7 +22,7 @@ def model():
 @pytest.fixture(scope="module")
 def profile(model):
     return cal.calibrate(model, ByteTokenizer(), [3.25, 4.25], name="tiny", corpus="test text", text=TEXT,
-                         windows=1, heldout=512, progress=False)
+                         windows=1, heldout=1024, progress=False)
 
 
 def test_statistics_leave_out_the_sink_and_group_the_queries(model):
@@ -69,12 +69,35 @@ def test_the_value_metric_is_what_the_output_projection_makes_of_a_value_error(m
         cal.output_metric(model, 0, 3, 16)
 
 
-def test_a_profile_records_the_best_candidate_within_each_budget(profile):
+def test_a_profile_records_the_candidate_the_interval_rule_chooses(profile):
     assert [e["budget"] for e in profile["budgets"]] == [3.25, 4.25]
     for e in profile["budgets"]:
-        assert e["bits"] <= e["budget"] + 1e-9
-        assert e["ppl"] == min(c["ppl"] for c in e["candidates"]) and len(e["candidates"]) >= 2
+        assert e["bits"] <= e["budget"] + 1e-9 and len(e["candidates"]) >= 2
+        better = [c for c in e["candidates"][1:] if c["vs_default"]["hi"] < 0]
+        want = min(better, key=lambda c: c["ppl"]) if better else e["candidates"][0]
+        assert e["choice"] == want["choice"] and e["ppl"] == want["ppl"]
+        assert e["candidates"][0]["vs_default"] == {"value": 0.0, "lo": 0.0, "hi": 0.0}
     assert profile["signature"]["head_dim"] == 16 and profile["calibration"]["corpus"] == "test text"
+
+
+def test_the_default_candidate_gives_way_only_to_one_established_better():
+    """``choose``: a candidate better on every window replaces the default; one better on
+    average but not beyond its paired interval does not; among established ones the best."""
+    rng = np.random.default_rng(0)
+    n = [511] * 16
+    ref = list(rng.normal(1500, 30, 16))
+    default = [r + 10 for r in ref]
+    noisy = [d - 1 + 40 * rng.standard_normal() for d in default]         # better on average? not shown
+    clear = [d - 5 for d in default]                                       # better on every window
+    clearer = [d - 8 for d in default]
+    ppl = lambda nll: float(np.exp(sum(nll) / sum(n)))
+    tried = lambda *cols: [{"per_window": c, "ppl": ppl(c)} for c in cols]
+    assert cal.choose(tried(default, noisy), ref, n) == 0
+    assert cal.choose(tried(default, noisy, clear), ref, n) == 2
+    assert cal.choose(tried(default, clear, noisy, clearer), ref, n) == 3
+    t = tried(default, clear)
+    cal.choose(t, ref, n)
+    assert t[1]["vs_default"]["hi"] < 0 and t[0]["vs_default"]["value"] == 0.0
 
 
 def test_make_prompt_cache_uses_the_profile(model, profile, tmp_path, monkeypatch):
@@ -153,7 +176,7 @@ def test_calibrated_configurations_need_another_evaluation_text():
 @pytest.mark.parametrize("argv, message", [
     (["calibrate", "--budgets", "abc"], "argument --budgets: invalid float value"),
     (["calibrate", "--windows", "0"], "argument --windows: must be >= 1"),
-    (["calibrate", "--heldout", "100"], "argument --heldout: must be >= 512"),
+    (["calibrate", "--heldout", "600"], "argument --heldout: must be >= 1024"),
     (["calibrate", "--text", "/no/such/file.txt"], "argument --text: no file /no/such/file.txt"),
     (["calibrate", "--corpus", "books"], "argument --corpus: invalid choice"),
 ])
@@ -183,7 +206,7 @@ def test_calibrate_cli_reports_a_missing_model_in_one_line(capsys):
 
 def test_a_budget_without_candidates_is_refused(model):
     with pytest.raises(ValueError, match="no calibrated configuration fits 0.05 bits"):
-        cal.calibrate(model, ByteTokenizer(), [0.05], name="t", text=TEXT, windows=1, heldout=512, progress=False)
+        cal.calibrate(model, ByteTokenizer(), [0.05], name="t", text=TEXT, windows=1, heldout=1024, progress=False)
 
 
 def test_fitted_coders_are_kept_on_disk_and_a_damaged_file_is_refitted(model, profile, tmp_path, monkeypatch):

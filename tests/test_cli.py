@@ -219,3 +219,37 @@ def test_the_report_says_larger_when_the_cache_is_larger():
         cache = make_prompt_cache(model, key_codec=codec)
         model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
         assert word in report(model, cache, (5, 1.0), (0, 0.0))
+
+
+def test_eval_update_adds_rows_to_a_recorded_run_scored_the_same_way(tmp_path, capsys):
+    """--update: re-measured rows join a recorded run only when both scored the same tokens
+    the same way (its fp32 row bit-identical); intervals are recomputed over all rows."""
+    import json
+    run = tmp_path / "run.json"
+    base = ["eval", "--tokens", "512", "--window", "256", "--agreement-tokens", "0", "--fidelity-tokens", "0",
+            "--quiet"]
+    assert cli.main(base + ["--configs", "TQ-mse 2", "--out", str(run)]) == 0
+    before = json.loads(run.read_text())
+    assert cli.main(base + ["--configs", "TQ-mse 3", "--update", str(run)]) == 0
+    after = json.loads(run.read_text())
+    assert set(after["results"]) == {"fp32", "TQ-mse 2", "TQ-mse 3"}
+    assert after["results"]["TQ-mse 2"]["ppl"] == before["results"]["TQ-mse 2"]["ppl"]
+    assert after["results"]["TQ-mse 3"]["ppl"] < after["results"]["TQ-mse 2"]["ppl"]
+    assert "intervals" in after["results"]["TQ-mse 3"] and after["setup"]["updates"][0]["rows"] == ["TQ-mse 3"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):                                    # refused before any work
+        cli.main(base[:1] + ["--tokens", "768"] + base[3:] + ["--configs", "TQ-mse 3", "--update", str(run)])
+    assert "was scored another way (tokens: 512 there, 768 here)" in capsys.readouterr().err
+    assert json.loads(run.read_text()) == after                        # nothing changed
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(SystemExit):
+        cli.main(base + ["--configs", "TQ-mse 3", "--update", str(bad)])
+    assert "is not a recorded run" in capsys.readouterr().err
+    domains = tmp_path / "domains.json"                                   # one domain of a multi-domain run
+    del before["setup"]["start"]                                          # as runs recorded before `start`
+    domains.write_text(json.dumps({"setup": {}, "domains": {"wikipedia": before}}))
+    assert cli.main(base + ["--configs", "TQ-mse 3", "--update", str(domains)]) == 0
+    updated = json.loads(domains.read_text())["domains"]["wikipedia"]["results"]
+    assert {n: (r["ppl"], r["intervals"]) for n, r in updated.items()} == \
+        {n: (r["ppl"], r["intervals"]) for n, r in after["results"].items()}

@@ -75,3 +75,17 @@ def test_restoring_a_state_is_refused_clearly():
     assert len(c.state) == 2                                 # only the float16 window so far
     with pytest.raises(NotImplementedError, match="not saved"):
         c.state = c.state
+
+
+def test_a_deep_copy_continues_independently():
+    """A needle trial continues a shared prefill from a deep copy: the copy and the original
+    then give the same answers to the same input, and feeding one leaves the other as it was."""
+    import copy
+    c = KIVICache(4)
+    feed(c, [70, 1])
+    d = copy.deepcopy(c)
+    k = mx.random.normal((1, 2, 3, 64), key=mx.random.key(9))
+    out_d = d.update_and_fetch(k, k)
+    assert c.offset == 71 and d.offset == 74
+    out_c = c.update_and_fetch(k, k)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(out_c, out_d))

@@ -204,12 +204,10 @@ def _calibrate(args) -> int:
     return 0
 
 
-def _eval(args) -> int:
-    from .suite import CHAPTER_CONFIGS, CONFIGS, evaluate, frontier_rows
-    if args.list:
-        for name, c in CONFIGS.items():
-            print(f"{name:32s} {c.family}")
-        return 0
+def _config_names(args) -> list[str]:
+    """``--configs`` as configuration names ('chapter' and 'all' expanded); an unknown name is
+    a parser error with the valid ones, and a hint when quotes were missing."""
+    from .suite import CHAPTER_CONFIGS, CONFIGS
     names = list(CONFIGS) if args.configs == ["all"] else (
         list(CHAPTER_CONFIGS) if args.configs == ["chapter"] else args.configs)
     unknown = [n for n in names if n not in CONFIGS]
@@ -218,6 +216,39 @@ def _eval(args) -> int:
         hint = (f" (a name with spaces is one argument: quote it, e.g. --configs \"{split[0]}\")" if split else "")
         args.parser.error(f"argument --configs: unknown configuration(s) {', '.join(map(repr, unknown))}{hint}; "
                           f"valid: 'chapter', 'all', " + ", ".join(repr(n) for n in CONFIGS))
+    return names
+
+
+def _needle(args) -> int:
+    from .models import load
+    from .needles import needle_grid, needle_table
+    names = _config_names(args)
+    model, tok = load(args.model)
+    try:
+        record = needle_grid(model, tok, names, args.contexts, args.depths, args.values,
+                             model_name=f"{args.model} (float32)", out=args.out, chunk=args.chunk,
+                             calibration_corpus=args.calibration_corpus, progress=not args.quiet)
+    except ValueError as e:
+        args.parser.error(str(e))
+    rows = needle_table(record)
+    heads = [k for k in rows[0] if k not in ("configuration", "bits")]
+    print(f"needle retrieval (successes, 95 % Wilson interval) at context@depth; haystack: "
+          f"{record['setup']['haystack']}")
+    print(f"{'configuration':28s} {'bits':>5} " + " ".join(f"{h:>20}" for h in heads))
+    for r in rows:
+        print(f"{r['configuration']:28s} {r['bits']:>5.3g} " + " ".join(f"{r.get(h, '—'):>20}" for h in heads))
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _eval(args) -> int:
+    from .suite import CONFIGS, evaluate, frontier_rows
+    if args.list:
+        for name, c in CONFIGS.items():
+            print(f"{name:32s} {c.family}")
+        return 0
+    names = _config_names(args)
     if args.tokens < args.window:
         args.parser.error(f"argument --tokens: {args.tokens} tokens are fewer than one --window of "
                           f"{args.window}; give --tokens >= --window")
@@ -228,6 +259,24 @@ def _eval(args) -> int:
         names = names + [n for n in args.diff if n not in names]
     from .models import load
     from .suite import diff, evaluate_domains, worst_domain
+    recorded = None
+    if args.update:                       # checked before the work: a readable recorded run, one corpus
+        if len(set(args.corpus)) > 1:
+            args.parser.error("argument --update: updates one corpus's recorded run; give one --corpus")
+        try:
+            whole = json.loads(Path(args.update).read_text())
+            recorded = whole["domains"][args.corpus[0]] if "domains" in whole else whole   # one domain of several
+            recorded["setup"], recorded["results"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            args.parser.error(f"argument --update: {args.update} is not a recorded run of `turboquant eval` "
+                              f"with {args.corpus[0]!r} ({e})")
+        asked = {"model": f"{args.model} (float32)", "corpus": args.corpus[0], "tokens": args.tokens,
+                 "window": args.window, "chunk": args.chunk, "seeds": args.seeds, "start": args.start,
+                 "compare": args.compare}
+        differ = [f"{k}: {recorded['setup'].get(k)!r} there, {v!r} here" for k, v in asked.items()
+                  if recorded["setup"].get(k, 0 if k == "start" else None) != v]
+        if differ:
+            args.parser.error(f"argument --update: {args.update} was scored another way ({'; '.join(differ)})")
     if "fp32" not in names:
         names = ["fp32"] + names          # the reference every increase is measured against
     from .suite import calibration_corpus_for
@@ -278,6 +327,16 @@ def _eval(args) -> int:
                 continue
             w = worst_domain(result, name)
             print(f"{name:32s} {w['corpus']:>10} {w['value']:>+8.2f}  [{w['lo']:>+7.2f}, {w['hi']:>+7.2f}]")
+    if args.update:
+        from .suite import update_run
+        result = update_run(recorded, result)
+        if "domains" in whole:
+            whole["domains"][args.corpus[0]] = result
+        else:
+            whole = result
+        Path(args.update).write_text(json.dumps(whole, indent=1))
+        print(f"updated {args.update}: rows {', '.join(n for n in names if n != 'fp32')} (re)placed, "
+              "intervals recomputed over all its rows")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -431,8 +490,9 @@ def main(argv=None) -> int:
                    help="calibration text (evaluate on the other one)")
     c.add_argument("--text", default=None, help="a UTF-8 text file to calibrate on instead of --corpus")
     c.add_argument("--windows", type=_int_at_least(1), default=8, help="512-token calibration windows")
-    c.add_argument("--heldout", type=_int_at_least(512), default=2048,
-                   help="calibration-text tokens (after the windows) that choose between candidates")
+    c.add_argument("--heldout", type=_int_at_least(1024), default=8192,
+                   help="calibration-text tokens (after the windows) that choose between candidates: at least "
+                        "two 512-token windows, the unit of the paired interval")
     c.add_argument("--name", default=None, help="the profile's name (default: --model)")
     c.add_argument("--out", default=None, help="where to write the profile (default: $TURBOQUANT_CACHE/profiles/NAME.json)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -468,8 +528,28 @@ def main(argv=None) -> int:
     e.add_argument("--diff", nargs=2, metavar=("A", "B"), default=None,
                    help="also print Δppl(A) − Δppl(B) with its paired interval (A and B are scored too)")
     e.add_argument("--out", default=None, help="write the results as JSON here")
+    e.add_argument("--update", default=None, metavar="FILE",
+                   help="add these rows to (or replace them in) a recorded run scored the same way "
+                        "(same setup, bit-identical fp32 row), recomputing its intervals")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(run=_eval)
+
+    nd = sub.add_parser("needle", help="needle retrieval grid (contexts × depths × secret codes), resumable JSON")
+    nd.add_argument("--model", default="smollm2-135m", help=f"{names}, or the path of an mlx-lm model folder")
+    nd.add_argument("--configs", nargs="+", default=["fp32"],
+                    help="configuration names (reference, published or profile; see `eval --list`)")
+    nd.add_argument("--contexts", type=_int_at_least(64), nargs="+", default=[1024, 2048, 4096],
+                    help="context lengths in tokens")
+    nd.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9],
+                    help="relative depths of the needle in [0, 1]")
+    nd.add_argument("--values", type=_int_at_least(1), default=20, help="secret codes (trials) per cell")
+    nd.add_argument("--chunk", type=_int_at_least(1), default=256, help="prefill chunk size")
+    nd.add_argument("--calibration-corpus", choices=sorted(set(DOMAINS) - {"lee"}), default="wikipedia",
+                    help="text calibrated configurations are fitted on (the haystack is lee)")
+    nd.add_argument("--out", default=None,
+                    help="JSON written after every configuration × context; an existing file resumes")
+    nd.add_argument("--quiet", action="store_true", help="no progress bars")
+    nd.set_defaults(run=_needle)
 
     k = sub.add_parser("kernels", help="which fused-kernel back-end is used, why, and its self-check")
     k.add_argument("--emulated", action="store_true", help="check the GPU kernel bodies through their C++ build (CPU)")
@@ -499,7 +579,7 @@ def main(argv=None) -> int:
     bg.add_argument("--quiet", action="store_true", help="no progress lines")
     bg.set_defaults(run=_bench_generate)
     args = p.parse_args(argv)
-    args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c,
+    args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c, "needle": nd,
                    "bench": {"decode": bd, "generate": bg}.get(getattr(args, "what", None), b)}[args.command]
     try:
         # where results go is checked before the work that produces them

@@ -93,6 +93,13 @@ class KIVICache(CacheBase):
             k, v = mx.concatenate([kd, k], axis=2), mx.concatenate([vd, v], axis=2)
         return k.astype(self.dtype), v.astype(self.dtype)
 
+    def __deepcopy__(self, memo):
+        """An independent copy (a needle trial continues a shared prefill from one): mlx arrays
+        are never changed in place here (updates concatenate new ones), so the copy may hold
+        the same arrays; ``copy.deepcopy`` of the dtype itself would fail."""
+        import copy
+        return copy.copy(self)
+
     @property
     def state(self):
         """The arrays held (for ``mx.eval``, as mlx-lm's generation loop does); not a saveable

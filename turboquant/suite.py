@@ -557,6 +557,45 @@ def diff(result: dict, a: str, b: str, n_boot: int = 2000, seed: int = 0) -> dic
     return {"a": a, "b": b, **d.as_dict(), "verdict": verdict}
 
 
+UPDATE_KEYS = ("model", "corpus", "start", "bos", "tokens", "window", "chunk", "seeds", "compare", "calibration")
+
+
+def update_run(recorded: dict, new: dict) -> dict:
+    """``recorded`` (an ``evaluate`` result) with the rows of ``new`` added or replacing its
+    own — e.g. profile rows re-measured after a re-calibration — without re-running the
+    rest. Refused (``ValueError``) unless both runs scored the same tokens the same way
+    (``UPDATE_KEYS`` of their setups) and their fp32 rows' per-window sums are identical,
+    bit for bit: only then are old and new rows paired. Intervals (and a recorded "diff")
+    are recomputed over all rows; the setup lists every update in "updates"."""
+    import copy
+    for name, run in (("the recorded run", recorded), ("the new run", new)):
+        if "fp32" not in run.get("results", {}) or "per_window" not in run["results"]["fp32"]:
+            raise ValueError(f"{name} has no fp32 row with per-window sums: rows cannot be paired")
+    get = lambda run, k: run["setup"].get(k, 0 if k == "start" else None)   # runs before `start` scored from 0
+    differ = {k: (get(recorded, k), get(new, k)) for k in UPDATE_KEYS
+              if k != "calibration" and get(recorded, k) != get(new, k)}
+    cal = lambda r: {k: v for k, v in (r["setup"].get("calibration") or {}).items() if k != "layer_sensitivity"}
+    if cal(recorded) and cal(new) and cal(recorded) != cal(new):
+        differ["calibration"] = (cal(recorded), cal(new))
+    if differ:
+        raise ValueError(f"the runs were not scored the same way: {differ}")
+    if recorded["results"]["fp32"]["per_window"] != new["results"]["fp32"]["per_window"]:
+        raise ValueError("the fp32 rows differ (another machine or mlx version?): old and new rows would not "
+                         "be paired; re-record the whole run")
+    out = copy.deepcopy(recorded)
+    rows = [n for n in new["results"] if n != "fp32"]
+    out["results"].update(copy.deepcopy({n: new["results"][n] for n in rows}))
+    ref = out["results"]["fp32"]["ppl"]
+    for row in out["results"].values():
+        row["ppl_increase"] = row["ppl"] / ref - 1
+    add_intervals(out["results"])
+    if "diff" in out:
+        out["diff"] = diff(out, out["diff"]["a"], out["diff"]["b"])
+    out["setup"].setdefault("updates", []).append({"rows": rows, "seconds": new["setup"].get("seconds"),
+                                                   "date": time.strftime("%Y-%m-%d")})
+    return out
+
+
 def intervals_of(result: dict, metric: str = "ppl_increase") -> dict:
     """{name: (lo, hi)}: the 95 % interval of ``metric`` for every row of ``result``
     (``evaluate``'s output) that has one — e.g. the error bars of ``plot_ppl_frontier``."""

@@ -1,7 +1,10 @@
 """The search that writes a profile (Chapter 10, ``turboquant calibrate``): for each budget a
 few candidate configurations are fitted on the calibration windows and scored by
-perplexity on held-out tokens of the *calibration* text, and the best is recorded with its
-numbers."""
+perplexity on held-out tokens of the *calibration* text. The first candidate (equal key and
+value bits, one exact outlier per vector) is the default; another replaces it only when it
+is *established* better — its paired 95 % interval of Δppl difference from the default lies
+below 0 (``evaluation.intervals.difference``, windows resampled together) — so a choice
+never rests on a difference the held-out text cannot tell from noise."""
 from __future__ import annotations
 
 import math
@@ -12,12 +15,13 @@ from typing import Optional, Sequence
 from .fitting import WINDOW, Choice, capture_statistics, fit_layers, signature
 from .profiles import PROFILE_FORMAT, PROFILE_VERSION, ids_digest
 
-__all__ = ["candidates", "calibrate"]
+__all__ = ["candidates", "choose", "calibrate"]
 
 
 def candidates(budget: float, dim: int) -> list[Choice]:
-    """The configurations ``calibrate`` compares at a budget: equal K/V bits with and without
-    one outlier per vector, and half a bit moved from values to keys."""
+    """The configurations ``calibrate`` compares at a budget, the default first: equal K/V
+    bits with one outlier per vector, then without it, and half a bit moved from values to
+    keys (those that do not fit the budget or the head size are left out)."""
     from ..budget import within
     from ..codecs.transform import TransformCoder
     out = [Choice(budget, budget, 1), Choice(budget, budget, 0), Choice(budget + 0.5, budget - 0.5, 1)]
@@ -31,12 +35,30 @@ def _ppl_factory(model, keys, values, sink):
                                      warn_rotating=False)
 
 
+def choose(tried: list[dict], ref_nll: list[float], n: list[int], n_boot: int = 2000, seed: int = 0) -> int:
+    """Index of the candidate a profile takes among ``tried`` (each with "per_window" NLL
+    sums on the same windows; the first is the default): the default unless others are
+    established better than it (paired interval of the difference wholly below 0), then the
+    best of those by point estimate. Adds "vs_default" (the difference and its interval,
+    percentage points of Δppl) to every candidate."""
+    from ..evaluation import intervals as iv
+    windows = iv.resample(len(n), n_boot, seed)
+    best, default = 0, tried[0]["per_window"]
+    for i, t in enumerate(tried):
+        d = iv.difference(t["per_window"], default, ref_nll, n, windows)
+        t["vs_default"] = d.as_dict()
+        if i and d.hi < 0 and (best == 0 or t["ppl"] < tried[best]["ppl"]):
+            best = i
+    return best
+
+
 def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: str = "wikipedia",
-              text: Optional[str] = None, windows: int = 8, heldout: int = 2048,
+              text: Optional[str] = None, windows: int = 8, heldout: int = 8192,
               progress: bool = True) -> dict:
-    """A profile: for each budget (bits per coordinate), the candidate with the lowest
-    perplexity on ``heldout`` tokens of the calibration text that follow the ``windows``
-    calibration windows. ``text`` replaces the corpus (``corpus`` then names it)."""
+    """A profile: for each budget (bits per coordinate), the candidate ``choose`` takes on
+    ``heldout`` tokens of the calibration text that follow the ``windows`` calibration
+    windows (scored in 512-token windows: the unit of the paired bootstrap). ``text``
+    replaces the corpus (``corpus`` then names it)."""
     from ..data import load_text
     from ..evaluation import bos_id, encode_text, perplexity
     from ..memory import geometry_from_model
@@ -50,7 +72,11 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
     cal, held = ids[:windows * WINDOW], ids[windows * WINDOW:]
     t0 = time.time()
     stats = capture_statistics(model, cal, bos=bos, progress=progress)
-    ref = perplexity(model, held, None, bos=bos)["ppl"]
+    if len(held) < heldout or heldout < 2 * WINDOW:
+        raise ValueError(f"the calibration text has {len(ids)} tokens: {windows} windows of {WINDOW} and "
+                         f"{heldout} held-out tokens (at least two windows, for an interval) are needed")
+    fp32 = perplexity(model, held, None, bos=bos, window=WINDOW)
+    ref, ref_nll, n = fp32["ppl"], fp32["per_window"]["nll"], fp32["per_window"]["n"]
     entries = []
     for budget in budgets:
         tried, cands = [], candidates(budget, dim)
@@ -59,18 +85,26 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
         for choice in cands:
             keys, values = fit_layers(stats, choice.key_bits, choice.value_bits, choice.outliers)
             r = perplexity(model, held, _ppl_factory(model, keys, values, choice.sink_tokens), bos=bos,
-                           progress=progress)
+                           window=WINDOW, progress=progress)
             tried.append({"choice": asdict(choice), "ppl": r["ppl"], "ppl_increase": r["ppl"] / ref - 1,
-                          "bits": choice.bits(dim), "measured_bits": r["bits"]})
-            if progress:
-                print(f"  {budget:g} bits: {choice} → perplexity {r['ppl']:.3f} "
-                      f"({100 * (r['ppl'] / ref - 1):+.2f} %)", flush=True)
-        best = min(tried, key=lambda t: t["ppl"])
-        entries.append({"budget": budget, **best, "candidates": tried})
+                          "bits": choice.bits(dim), "measured_bits": r["bits"],
+                          "per_window": r["per_window"]["nll"]})
+        pick = choose(tried, ref_nll, n)
+        if progress:
+            for i, t in enumerate(tried):
+                d = t["vs_default"]
+                print(f"  {budget:g} bits: {Choice(**t['choice'])} → perplexity {t['ppl']:.3f} "
+                      f"({100 * t['ppl_increase']:+.2f} %; vs the default {d['value']:+.2f} "
+                      f"[{d['lo']:+.2f}, {d['hi']:+.2f}]){'  ← chosen' if i == pick else ''}", flush=True)
+        entries.append({"budget": budget, **{k: v for k, v in tried[pick].items() if k != "per_window"},
+                        "candidates": tried})
     return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": name, "signature": signature(model),
             "calibration": {"corpus": corpus, "windows": windows, "window": WINDOW, "bos": bos, "sink": 1,
                             "ids": cal, "sha256": ids_digest(cal)},
-            "heldout": {"tokens": len(held), "fp32_ppl": ref},
+            "heldout": {"tokens": len(held), "fp32_ppl": ref, "window": WINDOW, "fp32_per_window": ref_nll,
+                        "n_per_window": n,
+                        "rule": "the default (first candidate) unless another's paired 95 % interval of "
+                                "Δppl difference lies below 0"},
             "budgets": entries, "seconds": time.time() - t0}
 
 

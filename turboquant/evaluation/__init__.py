@@ -13,9 +13,9 @@ from .agreement import greedy_agreement, top1_agreement
 from .fidelity import capture_qkv, key_statistics, layer_fidelity, recording
 from .needle import NEEDLE, NEEDLE_VALUES, QUESTION, needle_accuracy, needle_prompt, needle_values
 from .scoring import perplexity
-from .prefilling import MakeCache, fresh_cache, greedy, prefill, prefill_logits
+from .prefilling import MakeCache, fresh_cache, greedy, fill_cache, prefill, prefill_logits
 from .text import bos_id, encode_text
 
 __all__ = ["encode_text", "bos_id", "perplexity", "capture_qkv", "layer_fidelity", "key_statistics", "recording",
            "needle_prompt", "needle_accuracy", "needle_values", "NEEDLE", "QUESTION", "NEEDLE_VALUES",
-           "top1_agreement", "greedy_agreement", "MakeCache", "fresh_cache", "prefill", "prefill_logits", "greedy"]
+           "top1_agreement", "greedy_agreement", "MakeCache", "fresh_cache", "prefill", "prefill_logits", "fill_cache", "greedy"]

@@ -8,7 +8,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..progress import progress as progress_bar
-from .prefilling import MakeCache, fresh_cache, greedy, prefill
+from .prefilling import MakeCache, fill_cache, fresh_cache, greedy
 from .text import encode_text
 
 __all__ = ["needle_prompt", "needle_accuracy", "needle_values", "NEEDLE", "QUESTION", "NEEDLE_VALUES"]
@@ -84,8 +84,7 @@ def needle_accuracy(model, tokenizer, haystack_ids: Sequence[int], contexts: Seq
             base, ok = None, 0
             if shared:
                 base = fresh_cache(model, make_cache)
-                for _, logits in prefill(model, mx.array(prompts[0][:shared])[None], base, chunk):
-                    mx.eval(logits)
+                fill_cache(model, mx.array(prompts[0][:shared])[None], base, chunk)
         cache = copy.deepcopy(base) if shared else fresh_cache(model, make_cache)
         v, ids = values[i], prompts[i]
         text = tokenizer.decode(greedy(model, mx.array(ids[shared:])[None], cache, max_tokens, chunk))

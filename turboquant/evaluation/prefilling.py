@@ -7,7 +7,7 @@ from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 
-__all__ = ["MakeCache", "fresh_cache", "prefill", "prefill_logits", "greedy"]
+__all__ = ["MakeCache", "fresh_cache", "prefill", "prefill_logits", "fill_cache", "greedy"]
 
 MakeCache = Optional[Callable[[], list]]
 
@@ -27,6 +27,23 @@ def prefill(model, x: mx.array, cache, chunk: int) -> Iterator[tuple[int, mx.arr
         yield i, model(x[:, i:i + chunk], cache=cache).astype(mx.float32)
 
 
+def _body(model):
+    """The model without its output head: mlx-lm's causal LMs (llama, qwen2, gemma3_text)
+    hold it as ``model.model(inputs, cache)``, returning hidden states; another model is
+    called whole."""
+    inner = getattr(model, "model", None)
+    return (lambda x, cache: inner(x, cache)) if callable(inner) else (lambda x, cache: model(x, cache=cache))
+
+
+def fill_cache(model, x: mx.array, cache, chunk: int) -> None:
+    """Feed ``x`` (1, P) through ``cache`` in chunks, as ``prefill`` does, without the output
+    head: what the cache holds afterwards is what ``prefill`` leaves, but no (c, V) logits
+    are computed (Gemma's head alone is 262,144 × 640 multiply-adds per token)."""
+    body = _body(model)
+    for i in range(0, x.shape[1], chunk):
+        mx.eval(body(x[:, i:i + chunk], cache))
+
+
 def prefill_logits(model, tokens: mx.array, cache, chunk: int) -> mx.array:
     """All logits (1, P, V) of ``tokens`` (1, P) prefilled through ``cache``."""
     out = []
@@ -37,11 +54,13 @@ def prefill_logits(model, tokens: mx.array, cache, chunk: int) -> mx.array:
 
 
 def greedy(model, ids: mx.array, cache, n_tokens: int, chunk: int) -> list[int]:
-    """Prefill ``ids`` (1, P) through ``cache`` in chunks, then ``n_tokens`` greedy tokens."""
-    logits = None
-    for _, part in prefill(model, ids, cache, chunk):
-        logits = part[:, -1]                    # only the last position is needed: never all (P, V)
-        mx.eval(logits)
+    """Prefill ``ids`` (1, P) through ``cache`` in chunks, then ``n_tokens`` greedy tokens.
+    Only the last chunk goes through the output head (``fill_cache`` before it), and only
+    its last position's logits are kept: never all (P, V)."""
+    last = (ids.shape[1] - 1) // chunk * chunk
+    fill_cache(model, ids[:, :last], cache, chunk)
+    logits = model(ids[:, last:], cache=cache)[:, -1].astype(mx.float32)
+    mx.eval(logits)
     out = []
     for _ in range(n_tokens):
         t = logits.argmax(-1)

@@ -114,3 +114,32 @@ def plot_window_increases(result: dict, names, title: str = ""):
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
+
+
+def plot_needle_grid(record: dict):
+    """Needle retrieval from a recorded grid (``needles.needle_grid``): one panel per context
+    length, the success rate against the needle's depth for each configuration, with its
+    95 % Wilson interval as an error bar (points shifted sideways a little so they do not
+    hide one another). Contexts not yet measured for every configuration are left out."""
+    results = record["results"]
+    contexts = sorted({c["context"] for r in results.values() for c in r["cells"]})
+    contexts = [x for x in contexts if all(any(c["context"] == x for c in r["cells"]) for r in results.values())]
+    if not contexts:
+        raise ValueError("the grid has no context measured for every configuration")
+    fig, axes = figure(ncols=len(contexts), width=3.4, height=3.4, squeeze=False)
+    names = list(results)
+    for ax, context in zip(axes[0], contexts):
+        for i, name in enumerate(names):
+            cells = sorted((c for c in results[name]["cells"] if c["context"] == context), key=lambda c: c["depth"])
+            x = np.array([100 * c["depth"] for c in cells]) + (i - (len(names) - 1) / 2) * 1.6
+            y = np.array([c["ok"] / c["n"] for c in cells])
+            err = [y - [c["lo"] for c in cells], [c["hi"] for c in cells] - y]
+            ax.errorbar(x, y, yerr=err, fmt="o-", ms=4, lw=1, capsize=2, color=FAMILY_COLORS[i % len(FAMILY_COLORS)],
+                        label=f"{name} ({results[name]['bits']:.3g} b)" if name != "fp32" else "fp32")
+        ax.set_title(f"{context:,} tokens", fontsize=9)
+        ax.set_xlabel("needle depth (% of the context)")
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xticks(sorted({100 * c["depth"] for r in results.values() for c in r["cells"]}))
+    axes[0][0].set_ylabel("needles found (95 % Wilson interval)")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    return fig

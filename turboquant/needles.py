@@ -1,0 +1,128 @@
+"""A recorded needle grid (Chapter 10, ``turboquant needle``): needle retrieval for several
+cache configurations at several context lengths and depths, written to a JSON file after
+every (configuration, context) so that a run of hours can stop and resume where it was.
+
+The trials themselves are ``evaluation.needle_accuracy``'s; this module only orders them,
+labels them (model, haystack, the shipped profile's digest) and keeps what was measured."""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+__all__ = ["needle_grid", "needle_table"]
+
+HAYSTACK = "lee"      # the distractor text: prose no profile is calibrated on
+
+
+def _profile_digest(model) -> Optional[str]:
+    """SHA-256 of the profile ``make_prompt_cache(profile=True)`` would use (None without one),
+    so a grid resumed after a re-calibration cannot mix two profiles silently."""
+    from .calibration.profiles import find_profile
+    p = find_profile(model)
+    return None if p is None else hashlib.sha256(json.dumps(p, sort_keys=True).encode()).hexdigest()
+
+
+def _setup(model_name, contexts, depths, values, chunk, calibration_corpus) -> dict:
+    return {"model": model_name, "haystack": HAYSTACK, "contexts": list(contexts), "depths": list(depths),
+            "values": values, "chunk": chunk, "calibration": {"corpus": calibration_corpus, "windows": 8}}
+
+
+def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
+                depths: Sequence[float] = (0.1, 0.5, 0.9), values: int = 20, *, model_name: str = "",
+                out: Optional[Path] = None, chunk: int = 256, calibration_corpus: str = "wikipedia",
+                progress: bool = True) -> dict:
+    """Needle accuracy of each named ``suite.CONFIGS`` configuration: for every context × depth,
+    ``values`` secret codes (``needle_values``), each a trial; per cell the successes with a
+    95 % Wilson interval. Returns {"setup": …, "results": {name: {"bits", "family", "cells":
+    [{context, depth, ok, n, lo, hi}], "trials": [...], "seconds"}}}.
+
+    ``out``: the JSON file written after every (configuration, context). If it exists, its
+    setup must match this call's (else ``ValueError``) and the cells it holds are kept, not
+    re-run: an interrupted grid resumes. A profile row records the profile's SHA-256; if the
+    shipped profile changed since, that row is measured again rather than mixed. Contexts run shortest first for every configuration
+    before the next context, so a partial file is a complete grid at its shorter contexts.
+    Calibrated configurations (KVQuant-style, ``calibrated b``) are fitted on 8 windows of
+    ``calibration_corpus`` (``suite.calibration_statistics``), captured once when first needed."""
+    from .checks import check_int
+    from .data import load_text
+    from .evaluation import encode_text, needle_accuracy, needle_values
+    from .memory import geometry_from_model
+    from .suite import CONFIGS, calibration_statistics
+    values = check_int("values", values, 1)
+    chunk = check_int("chunk", chunk, 1)
+    contexts = sorted({check_int("context", c, 64) for c in contexts})
+    if not contexts:
+        raise ValueError("needle_grid needs at least one context length")
+    if not depths or any(not (isinstance(d, (int, float)) and 0.0 <= d <= 1.0) for d in depths):
+        raise ValueError(f"depths must lie in [0, 1], got {list(depths)}")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        raise ValueError(f"unknown configuration(s) {unknown or names}; known: {sorted(CONFIGS)}")
+    if calibration_corpus == HAYSTACK:
+        raise ValueError(f"calibrated configurations must not be fitted on the haystack text {HAYSTACK!r}")
+    digest = _profile_digest(model) if any(getattr(CONFIGS[n], "needs_profile", False) for n in names) else None
+    setup = _setup(model_name, contexts, list(depths), values, chunk, calibration_corpus)
+    record = {"setup": setup, "results": {}}
+    if out is not None and Path(out).exists():
+        try:
+            record = json.loads(Path(out).read_text())
+            record["setup"], record["results"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{out} is not a needle grid this command wrote ({e}); remove it or choose another "
+                             "--out") from None
+        old = {k: record.get("setup", {}).get(k) for k in setup if k != "contexts"}
+        if old != {k: v for k, v in setup.items() if k != "contexts"}:
+            raise ValueError(f"{out} holds a grid with another setup ({old}); remove it or choose another --out")
+        record["setup"]["contexts"] = sorted(set(record["setup"]["contexts"]) | set(contexts))
+    hay = encode_text(tokenizer, load_text(HAYSTACK), max(contexts))
+    codes = needle_values(values)
+    dim = geometry_from_model(model).head_dim
+    stats = None
+    for context in contexts:
+        for name in names:
+            fresh = {"family": CONFIGS[name].family, "bits": CONFIGS[name].bits(dim), "cells": [],
+                     "trials": [], "seconds": 0.0}
+            if getattr(CONFIGS[name], "needs_profile", False):
+                fresh["profile_sha256"] = digest
+            row = record["results"].setdefault(name, fresh)
+            if row.get("profile_sha256") != fresh.get("profile_sha256"):
+                if progress:                              # the profile was re-calibrated: its cells are stale
+                    print(f"needle: {name}: the profile changed since its cells were measured; re-running them",
+                          flush=True)
+                row = record["results"][name] = fresh
+            if any(c["context"] == context for c in row["cells"]):
+                continue                                  # measured by an earlier run of this grid
+            if progress:
+                print(f"needle: {name} at {context} tokens", flush=True)
+            t0 = time.time()
+            if CONFIGS[name].needs_calibration and stats is None:
+                stats = calibration_statistics(model, tokenizer, names, calibration_corpus, 8, progress)
+            r = needle_accuracy(model, tokenizer, hay, [context], list(depths), CONFIGS[name].make_cache(model, stats),
+                                values=codes, chunk=chunk, progress=progress)
+            row["cells"] += r["cells"]
+            row["trials"] += r["trials"]
+            row["seconds"] += time.time() - t0
+            record["setup"].update(machine=platform.machine(), mlx=mx.__version__)
+            if out is not None:
+                Path(out).parent.mkdir(parents=True, exist_ok=True)
+                tmp = Path(out).with_suffix(".tmp")
+                tmp.write_text(json.dumps(record, indent=1))
+                tmp.replace(out)                          # never a half-written file
+    return record
+
+
+def needle_table(record: dict) -> list[dict]:
+    """One row per configuration: its bits and, per context@depth, "ok/n [lo, hi]"."""
+    rows = []
+    for name, r in record["results"].items():
+        row = {"configuration": name, "bits": r["bits"]}
+        for c in sorted(r["cells"], key=lambda c: (c["context"], c["depth"])):
+            row[f"{c['context']}@{c['depth']:.0%}"] = f"{c['ok']}/{c['n']} [{c['lo']:.2f}, {c['hi']:.2f}]"
+        rows.append(row)
+    return rows
