@@ -537,7 +537,8 @@ def main(argv=None) -> int:
     nd = sub.add_parser("needle", help="needle retrieval grid (contexts × depths × secret codes), resumable JSON")
     nd.add_argument("--model", default="smollm2-135m", help=f"{names}, or the path of an mlx-lm model folder")
     nd.add_argument("--configs", nargs="+", default=["fp32"],
-                    help="configuration names (reference, published or profile; see `eval --list`)")
+                    help="configuration names (see `eval --list`; calibrated ones are fitted on "
+                         "--calibration-corpus)")
     nd.add_argument("--contexts", type=_int_at_least(64), nargs="+", default=[1024, 2048, 4096],
                     help="context lengths in tokens")
     nd.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9],
