@@ -273,8 +273,8 @@ def _eval(args) -> int:
         asked = {"model": f"{args.model} (float32)", "corpus": args.corpus[0], "tokens": args.tokens,
                  "window": args.window, "chunk": args.chunk, "seeds": args.seeds, "start": args.start,
                  "compare": args.compare}
-        differ = [f"{k}: {recorded['setup'].get(k)!r} there, {v!r} here" for k, v in asked.items()
-                  if recorded["setup"].get(k, 0 if k == "start" else None) != v]
+        from .suite import setup_differences
+        differ = setup_differences(recorded["setup"], asked)
         if differ:
             args.parser.error(f"argument --update: {args.update} was scored another way ({'; '.join(differ)})")
     if "fp32" not in names:

@@ -560,6 +560,16 @@ def diff(result: dict, a: str, b: str, n_boot: int = 2000, seed: int = 0) -> dic
 UPDATE_KEYS = ("model", "corpus", "start", "bos", "tokens", "window", "chunk", "seeds", "compare", "calibration")
 
 
+def setup_differences(recorded: dict, setup: dict) -> list[str]:
+    """How ``setup`` (an ``evaluate`` setup, or the part of one a caller knows before scoring)
+    differs from ``recorded`` on the keys that decide what was scored (``UPDATE_KEYS``
+    present in ``setup``, calibration aside): one "key: X there, Y here" per difference.
+    A recorded setup without "start" scored from token 0."""
+    get = lambda s, k: s.get(k, 0 if k == "start" else None)
+    return [f"{k}: {get(recorded, k)!r} there, {get(setup, k)!r} here" for k in UPDATE_KEYS
+            if k != "calibration" and k in setup and get(recorded, k) != get(setup, k)]
+
+
 def update_run(recorded: dict, new: dict) -> dict:
     """``recorded`` (an ``evaluate`` result) with the rows of ``new`` added or replacing its
     own — e.g. profile rows re-measured after a re-calibration — without re-running the
@@ -571,14 +581,12 @@ def update_run(recorded: dict, new: dict) -> dict:
     for name, run in (("the recorded run", recorded), ("the new run", new)):
         if "fp32" not in run.get("results", {}) or "per_window" not in run["results"]["fp32"]:
             raise ValueError(f"{name} has no fp32 row with per-window sums: rows cannot be paired")
-    get = lambda run, k: run["setup"].get(k, 0 if k == "start" else None)   # runs before `start` scored from 0
-    differ = {k: (get(recorded, k), get(new, k)) for k in UPDATE_KEYS
-              if k != "calibration" and get(recorded, k) != get(new, k)}
+    differ = setup_differences(recorded["setup"], new["setup"])
     cal = lambda r: {k: v for k, v in (r["setup"].get("calibration") or {}).items() if k != "layer_sensitivity"}
     if cal(recorded) and cal(new) and cal(recorded) != cal(new):
-        differ["calibration"] = (cal(recorded), cal(new))
+        differ.append(f"calibration: {cal(recorded)!r} there, {cal(new)!r} here")
     if differ:
-        raise ValueError(f"the runs were not scored the same way: {differ}")
+        raise ValueError(f"the runs were not scored the same way: {'; '.join(differ)}")
     if recorded["results"]["fp32"]["per_window"] != new["results"]["fp32"]["per_window"]:
         raise ValueError("the fp32 rows differ (another machine or mlx version?): old and new rows would not "
                          "be paired; re-record the whole run")
