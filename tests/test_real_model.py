@@ -221,17 +221,18 @@ def test_held_out_calibration_text_is_scored_only_past_the_calibration_windows(s
 
 
 def test_a_needle_grid_resumes_and_remeasures_a_changed_profile(smol, tmp_path, monkeypatch):
-    """``needles.needle_grid`` writes its JSON after every configuration × context; a second
-    call keeps what the file holds, and measures again a profile row whose profile changed."""
+    """``needles.needle_grid`` writes its JSON after every cell; a second call keeps what the
+    file holds (an interrupted run measures only its missing cells), and measures again a
+    profile row whose profile changed."""
     import json
 
     from turboquant import needles
     model, tok = smol
     out = tmp_path / "grid.json"
-    kw = dict(depths=[0.5], values=1, out=out, chunk=64, progress=False)
+    kw = dict(depths=[0.1, 0.5], values=1, out=out, chunk=64, progress=False)
     first = needles.needle_grid(model, tok, ["fp32", "profile 4.25"], [192], **kw)
     assert json.loads(out.read_text()) == first
-    cell = first["results"]["fp32"]["cells"][0]
+    cell = first["results"]["fp32"]["cells"][1]
     assert (cell["context"], cell["depth"], cell["n"]) == (192, 0.5, 1) and 0 <= cell["lo"] <= cell["hi"] <= 1
     assert first["results"]["profile 4.25"]["profile_sha256"]
     calls = []
@@ -240,9 +241,15 @@ def test_a_needle_grid_resumes_and_remeasures_a_changed_profile(smol, tmp_path, 
     monkeypatch.setattr(ev, "needle_accuracy", lambda *a, **k: calls.append(a[4]) or orig(*a, **k))
     again = needles.needle_grid(model, tok, ["fp32", "profile 4.25"], [192], **kw)
     assert calls == [] and again["results"] == first["results"]
+    cut = json.loads(out.read_text())                    # as if stopped before fp32's last cell was written
+    del cut["results"]["fp32"]["cells"][1], cut["results"]["fp32"]["trials"][1]
+    out.write_text(json.dumps(cut))
+    resumed = needles.needle_grid(model, tok, ["fp32", "profile 4.25"], [192], **kw)
+    assert calls == [[0.5]] and resumed["results"]["fp32"]["cells"] == first["results"]["fp32"]["cells"]
+    calls.clear()
     monkeypatch.setattr(needles, "_profile_digest", lambda m: "another profile")
     needles.needle_grid(model, tok, ["fp32", "profile 4.25"], [192], **kw)
-    assert len(calls) == 1 and json.loads(out.read_text())["results"]["profile 4.25"]["profile_sha256"] == \
+    assert calls == [[0.1], [0.5]] and json.loads(out.read_text())["results"]["profile 4.25"]["profile_sha256"] == \
         "another profile"
     with pytest.raises(ValueError, match="another setup"):
         needles.needle_grid(model, tok, ["fp32"], [192], **{**kw, "values": 2})

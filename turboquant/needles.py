@@ -1,6 +1,6 @@
 """A recorded needle grid (Chapter 10, ``turboquant needle``): needle retrieval for several
 cache configurations at several context lengths and depths, written to a JSON file after
-every (configuration, context) so that a run of hours can stop and resume where it was.
+every cell so that a run of hours can stop and resume where it was.
 
 The trials themselves are ``evaluation.needle_accuracy``'s; this module only orders them,
 labels them (model, haystack, the shipped profile's digest) and keeps what was measured."""
@@ -42,7 +42,7 @@ def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
     95 % Wilson interval. Returns {"setup": …, "results": {name: {"bits", "family", "cells":
     [{context, depth, ok, n, lo, hi}], "trials": [...], "seconds"}}}.
 
-    ``out``: the JSON file written after every (configuration, context). If it exists, its
+    ``out``: the JSON file written after every cell (configuration, context, depth). If it exists, its
     setup must match this call's (else ``ValueError``) and the cells it holds are kept, not
     re-run: an interrupted grid resumes. A profile row records the profile's SHA-256; if the
     shipped profile changed since, that row is measured again rather than mixed. Contexts run shortest first for every configuration
@@ -96,24 +96,24 @@ def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
                     print(f"needle: {name}: the profile changed since its cells were measured; re-running them",
                           flush=True)
                 row = record["results"][name] = fresh
-            if any(c["context"] == context for c in row["cells"]):
-                continue                                  # measured by an earlier run of this grid
-            if progress:
-                print(f"needle: {name} at {context} tokens", flush=True)
-            t0 = time.time()
-            if CONFIGS[name].needs_calibration and stats is None:
-                stats = calibration_statistics(model, tokenizer, names, calibration_corpus, 8, progress)
-            r = needle_accuracy(model, tokenizer, hay, [context], list(depths), CONFIGS[name].make_cache(model, stats),
-                                values=codes, chunk=chunk, progress=progress)
-            row["cells"] += r["cells"]
-            row["trials"] += r["trials"]
-            row["seconds"] += time.time() - t0
-            record["setup"].update(machine=platform.machine(), mlx=mx.__version__)
-            if out is not None:
-                Path(out).parent.mkdir(parents=True, exist_ok=True)
-                tmp = Path(out).with_suffix(".tmp")
-                tmp.write_text(json.dumps(record, indent=1))
-                tmp.replace(out)                          # never a half-written file
+            todo = [d for d in depths if not any(c["context"] == context and c["depth"] == d for c in row["cells"])]
+            for depth in todo:                            # cells an earlier run of this grid measured are kept
+                if progress:
+                    print(f"needle: {name} at {context} tokens, depth {depth:.0%}", flush=True)
+                t0 = time.time()
+                if CONFIGS[name].needs_calibration and stats is None:
+                    stats = calibration_statistics(model, tokenizer, names, calibration_corpus, 8, progress)
+                r = needle_accuracy(model, tokenizer, hay, [context], [depth], CONFIGS[name].make_cache(model, stats),
+                                    values=codes, chunk=chunk, progress=progress)
+                row["cells"] += r["cells"]
+                row["trials"] += r["trials"]
+                row["seconds"] += time.time() - t0
+                record["setup"].update(machine=platform.machine(), mlx=mx.__version__)
+                if out is not None:
+                    Path(out).parent.mkdir(parents=True, exist_ok=True)
+                    tmp = Path(out).with_suffix(".tmp")
+                    tmp.write_text(json.dumps(record, indent=1))
+                    tmp.replace(out)                      # never a half-written file
     return record
 
 
