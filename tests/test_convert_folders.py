@@ -54,3 +54,60 @@ def test_new_empty_and_own_folders_are_accepted(tmp_path):
 def test_the_installed_conversions_are_marked_as_ours():
     models.load("smollm2-135m")                                      # converted once per machine
     assert written_here(models.model_dir("smollm2-135m"))
+
+
+@pytest.fixture
+def cut_file(tmp_path, monkeypatch):
+    """A 'model' cut into three installed pieces (packages on sys.path), as the Qwen wheels are."""
+    import hashlib
+    data = bytes(range(256)) * 40
+    pieces = [data[:3000], data[3000:7000], data[7000:]]
+    for i, p in enumerate(pieces, 1):
+        (tmp_path / "site" / f"piece{i}" / "data").mkdir(parents=True)
+        (tmp_path / "site" / f"piece{i}" / "__init__.py").write_text("")
+        (tmp_path / "site" / f"piece{i}" / "data" / f"part{i:02d}.bin").write_bytes(p)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path / "cache"))
+    spec = {"name": "Cut", "parts": [(f"piece{i}", f"data/part{i:02d}.bin") for i in (1, 2, 3)], "pip": "piece1 … piece3",
+            "gguf": "cut.gguf", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "license": "-"}
+    monkeypatch.setitem(models.MODELS, "cut", spec)
+    return tmp_path, data, spec
+
+
+def test_a_model_cut_across_wheels_is_joined_in_order_and_checked(cut_file):
+    tmp_path, data, spec = cut_file
+    path = models.model_gguf("cut")
+    assert path == tmp_path / "cache" / "gguf" / "cut.gguf" and path.read_bytes() == data
+    assert models.model_gguf("cut") == path                          # joined once
+
+
+def test_a_joined_file_with_another_digest_is_refused_and_not_kept(cut_file, monkeypatch):
+    tmp_path, data, spec = cut_file
+    monkeypatch.setitem(spec, "sha256", "0" * 64)
+    with pytest.raises(ValueError, match="SHA-256"):
+        models.model_gguf("cut")
+    assert not any((tmp_path / "cache" / "gguf").iterdir())          # nothing half-made stays
+
+
+def test_a_missing_piece_is_named(cut_file):
+    tmp_path, data, spec = cut_file
+    (tmp_path / "site" / "piece2" / "data" / "part02.bin").unlink()
+    with pytest.raises(ValueError, match=r"piece2 \(data/part02.bin\) is missing"):
+        models.model_gguf("cut")
+
+
+def test_weights_written_in_shards_load_as_one_file_does(tmp_path, monkeypatch):
+    """A conversion bigger than SHARD_BYTES writes several model-NNNNN.safetensors (one shard
+    in memory at a time) that mlx-lm loads into the same model."""
+    import mlx.core as mx
+
+    from turboquant import convert
+    gguf = models.model_gguf("smollm2-135m")
+    monkeypatch.setattr(convert, "SHARD_BYTES", 200 << 20)
+    convert_gguf(gguf, tmp_path / "sharded", progress=False)
+    files = convert.weight_files(tmp_path / "sharded")
+    assert len(files) == 3 and files[0] == "model-00001.safetensors"
+    a, _ = models.load(tmp_path / "sharded")
+    b, _ = models.load("smollm2-135m")
+    x = mx.array([[1, 2, 3, 4]])
+    assert mx.array_equal(a(x), b(x))

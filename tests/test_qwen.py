@@ -1,0 +1,152 @@
+"""The third real model, Qwen2.5-Coder-1.5B-Instruct (issue #29): joined from 22 wheels,
+converted to float32, checked against a NumPy forward pass computed from the GGUF's own
+tensors, and asked to write a function through the fp32 cache and through codes."""
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turboquant import make_prompt_cache, memory
+from turboquant.models import MODELS, load, model_dir, model_gguf
+
+NAME = "qwen2.5-coder-1.5b"
+REQUEST = "Write a Python function that returns the square of x."
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return load(NAME)
+
+
+@pytest.fixture(scope="module")
+def reader():
+    import gguf
+    return gguf.GGUFReader(str(model_gguf(NAME)))
+
+
+def _tensor(reader, name):
+    from gguf.quants import dequantize
+    t = next(t for t in reader.tensors if t.name == name)
+    w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    return w.reshape([int(s) for s in reversed(t.shape)])
+
+
+def _q4k_block(raw: np.ndarray) -> np.ndarray:
+    """The 256 weights of one Q4_K super-block (144 bytes), decoded by hand from ggml's
+    layout: fp16 d and dmin, twelve bytes of packed 6-bit scales and mins, 128 bytes of
+    4-bit codes (two 32-weight halves per 64-weight group)."""
+    d, dmin = raw[:4].view(np.float16).astype(np.float32)
+    s, q = raw[4:16].astype(np.int32), raw[16:144]
+
+    def scale_min(j):
+        if j < 4:
+            return s[j] & 63, s[j + 4] & 63
+        return (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)
+    out = []
+    for g in range(4):
+        (sc1, m1), (sc2, m2) = scale_min(2 * g), scale_min(2 * g + 1)
+        codes = q[32 * g:32 * g + 32]
+        out += [d * sc1 * (codes & 15) - dmin * m1, d * sc2 * (codes >> 4) - dmin * m2]
+    return np.concatenate(out)
+
+
+def test_the_joined_gguf_is_the_pinned_file(reader):
+    path = model_gguf(NAME)
+    assert path.stat().st_size == MODELS[NAME]["bytes"]
+    assert reader.fields["general.architecture"].contents() == "qwen2"
+    # the dequantizer the conversion uses agrees with a hand decoding of the first block
+    t = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    assert t.tensor_type.name == "Q4_K"
+    raw = np.asarray(t.data).reshape(-1)[:144]
+    np.testing.assert_allclose(_tensor(reader, "blk.0.attn_q.weight").reshape(-1)[:256], _q4k_block(raw),
+                               rtol=0, atol=1e-6)
+
+
+def test_geometry_is_the_papers_head_size_and_the_preset(qwen):
+    model, _ = qwen
+    a = model.args
+    assert (a.num_hidden_layers, a.hidden_size, a.num_attention_heads, a.num_key_value_heads,
+            a.vocab_size, a.rope_theta, a.tie_word_embeddings) == (28, 1536, 12, 2, 151936, 1e6, False)
+    g, preset = memory.geometry_from_model(model), memory.PRESETS[NAME]
+    assert (g.layers, g.n_kv_heads, g.head_dim) == (preset.layers, preset.n_kv_heads, preset.head_dim)
+    assert (len(g.layers), g.n_kv_heads, g.head_dim) == (28, 2, 128)
+    assert model.layers[0].self_attn.k_proj.bias.shape == (256,)
+
+
+def _numpy_layers(reader, ids, n_layers):
+    """Hidden states after ``n_layers`` decoder layers, in NumPy from the GGUF tensors
+    (float64): RMSNorm, q/k/v with biases, rotate-half RoPE (base 1e6), 6 query heads per
+    kv head, causal softmax, SwiGLU MLP; no mlx-lm code involved."""
+    f = {k: v.contents() for k, v in reader.fields.items() if k.startswith("qwen2.")}
+    heads, kv, eps = f["qwen2.attention.head_count"], f["qwen2.attention.head_count_kv"], \
+        f["qwen2.attention.layer_norm_rms_epsilon"]
+    x = _tensor(reader, "token_embd.weight")[ids].astype(np.float64)
+    T, hidden = x.shape
+    D = hidden // heads
+    inv = f["qwen2.rope.freq_base"] ** (-np.arange(0, D, 2) / D)
+    ang = np.arange(T)[:, None] * inv[None]
+    cos, sin = np.cos(ang), np.sin(ang)
+
+    def rope(z):                               # z (H, T, D): halves rotated as pairs (i, i + D/2)
+        a, b = z[..., :D // 2], z[..., D // 2:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+    def norm(z, w):
+        return z / np.sqrt(np.mean(z * z, -1, keepdims=True) + eps) * w
+    W = lambda n: _tensor(reader, n).astype(np.float64)  # noqa: E731
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        h = norm(x, W(p + "attn_norm.weight"))
+        q = (h @ W(p + "attn_q.weight").T + W(p + "attn_q.bias")).reshape(T, heads, D).transpose(1, 0, 2)
+        k = (h @ W(p + "attn_k.weight").T + W(p + "attn_k.bias")).reshape(T, kv, D).transpose(1, 0, 2)
+        v = (h @ W(p + "attn_v.weight").T + W(p + "attn_v.bias")).reshape(T, kv, D).transpose(1, 0, 2)
+        q, k = rope(q), rope(k)
+        k, v = np.repeat(k, heads // kv, 0), np.repeat(v, heads // kv, 0)
+        s = q @ k.transpose(0, 2, 1) / np.sqrt(D) + np.triu(np.full((T, T), -np.inf), 1)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        o = (s / s.sum(-1, keepdims=True)) @ v
+        x = x + o.transpose(1, 0, 2).reshape(T, hidden) @ W(p + "attn_output.weight").T
+        h = norm(x, W(p + "ffn_norm.weight"))
+        g = h @ W(p + "ffn_gate.weight").T
+        x = x + ((g / (1 + np.exp(-g))) * (h @ W(p + "ffn_up.weight").T)) @ W(p + "ffn_down.weight").T
+    return x
+
+
+def test_float32_layers_and_logits_match_a_numpy_forward_from_the_gguf(qwen, reader):
+    model, tok = qwen
+    ids = tok.encode("def square(x):\n    return")
+    ref = _numpy_layers(reader, ids, 2)
+    h = model.model.embed_tokens(mx.array(ids)[None])
+    for layer in model.model.layers[:2]:
+        h = layer(h, "causal", None)
+    got = np.array(h[0], dtype=np.float64)
+    assert np.max(np.abs(got - ref)) <= 1e-4 * np.max(np.abs(ref)), np.max(np.abs(got - ref))
+    # the output head is the file's own (untied) matrix, applied after the final norm
+    logits = model(mx.array(ids)[None])[0, -1]
+    hid = model.model(mx.array(ids)[None])[0, -1]                  # mlx-lm's final norm included
+    mine = np.array(hid, dtype=np.float64) @ _tensor(reader, "output.weight").T.astype(np.float64)
+    np.testing.assert_allclose(np.array(logits), mine, rtol=0, atol=1e-4 * np.abs(mine).max())
+
+
+@pytest.mark.parametrize("bits", [None, 3.25])
+def test_greedy_chat_writes_the_square_function(qwen, bits):
+    """fp32 cache, and attention from 3.25-bit codes (``make_prompt_cache(bits=3.25)``)."""
+    from mlx_lm import generate
+    model, tok = qwen
+    prompt = tok.apply_chat_template([{"role": "user", "content": REQUEST}], add_generation_prompt=True,
+                                     tokenize=False)
+    from mlx_lm.models.cache import make_prompt_cache as fp32_cache
+    cache = fp32_cache(model) if bits is None else make_prompt_cache(model, bits=bits)
+    out = generate(model, tok, prompt, max_tokens=96, prompt_cache=cache)
+    assert "def " in out and any(s in out for s in ("x * x", "x ** 2", "x**2", "pow(x, 2)")), out
+
+
+def test_the_tokenizer_round_trips_code_and_keeps_chat_tokens_whole(qwen):
+    _, tok = qwen
+    text = "class Foo:\n\tdef  bar(self, n=12345):\n        return f'{n:>8}' + \"ü\"\n"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("<|im_start|>user")[0] == 151644
+    assert tok.encode("12345") == [tok.encode(d)[0] for d in "12345"]          # digits one by one
+    cfg = json.loads((model_dir(NAME) / "config.json").read_text())
+    assert cfg["eos_token_id"][0] == 151645                                    # <|im_end|> ends a turn
