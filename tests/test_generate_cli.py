@@ -71,7 +71,8 @@ def test_codec_option_takes_wrappers(capsys):
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_chat_keeps_one_cache_and_prefills_only_the_new_turn(name):
     model, tok = load(name)
-    cache = new_cache(model, cache_options())
+    assert cache_options() == {"max_kv_size": None, "bits": 4.25}      # the CLI's default cache
+    cache = new_cache(model, cache_options(key_bits=4))                # plain 4-bit TurboQuant_mse
     turns = iter(["What is the capital of France?", "And of Italy?", ""])
     out = io.StringIO()
     offsets = []

@@ -255,3 +255,27 @@ def test_a_needle_grid_resumes_and_remeasures_a_changed_profile(smol, tmp_path, 
         needles.needle_grid(model, tok, ["fp32"], [192], **{**kw, "values": 2})
     with pytest.raises(ValueError, match="unknown configuration"):
         needles.needle_grid(model, tok, ["nope"], [192], **kw)
+
+
+def test_channel_profile_sees_an_outlier_channel_and_the_rotation_spread_it():
+    """One channel 20× the others: it holds half the energy of the raw channels; after a
+    random rotation the outlier's direction is spread over all channels (its largest share
+    is a few times 1/D, not a constant) and the mean fourth moment of the coordinates is the
+    Beta law's 3/(D(D+2)) (Chapter 2) to sampling error (16.8× it before)."""
+    from turboquant.evaluation import channel_profile
+    from turboquant.rotation import Rotation
+    from turboquant.sphere import coordinate_moment
+    D = 128
+    x = np.random.default_rng(0).normal(size=(4000, D))
+    x[:, 5] *= 20
+    raw, rot = channel_profile(x), channel_profile(x, Rotation("haar", D, seed=1))
+    assert raw["peak_to_median"] > 8 and raw["top_share"] > 0.5 and np.argmax(raw["rms"]) == 5
+    assert rot["peak_to_median"] < 4 and rot["top_share"] < 0.1
+    assert abs(rot["fourth_moment"] / coordinate_moment(D, 4) - 1) < 0.1
+    assert raw["fourth_moment"] > 10 * coordinate_moment(D, 4)
+    with pytest.raises(ValueError, match="zero"):
+        channel_profile(np.zeros((2, D)))
+    with pytest.raises(ValueError, match="NaN"):
+        channel_profile(np.full((2, D), np.nan))
+    with pytest.raises(ValueError, match="dim 64"):
+        channel_profile(x, Rotation("haar", 64))

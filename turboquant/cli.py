@@ -122,6 +122,8 @@ def _load_for_generation(args):
     if args.profile is not None:
         options["profile"] = args.profile
     model, tok = load(args.model)
+    if getattr(args, "load_cache", None):  # the saved cache, with its own codecs (none were given)
+        return model, tok, new_cache(model, options, args.load_cache)
     if "bits" in options:                # a budget below every measured configuration is a usage error
         try:
             return model, tok, new_cache(model, options)
@@ -159,7 +161,8 @@ def _chat(args) -> int:
 
 
 def _cache_arguments(p) -> None:
-    g = p.add_argument_group("cache (choose one; default --key-bits 4 --value-bits 4)")
+    g = p.add_argument_group("cache (choose one; default --bits 4.25: centered 4-bit keys, 4-bit values, "
+                             "one exact sink token)")
     g.add_argument("--bits", type=_bits, default=None, help="a budget in bits per coordinate, side information "
                    "included: the best measured configuration within it (Chapter 9)")
     g.add_argument("--profile", nargs="?", const=True, default=None, metavar="PATH",
