@@ -130,16 +130,25 @@ def test_float32_layers_and_logits_match_a_numpy_forward_from_the_gguf(qwen, rea
 
 
 @pytest.mark.parametrize("bits", [None, 3.25])
-def test_greedy_chat_writes_the_square_function(qwen, bits):
-    """fp32 cache, and attention from 3.25-bit codes (``make_prompt_cache(bits=3.25)``)."""
-    from mlx_lm import generate
-    model, tok = qwen
-    prompt = tok.apply_chat_template([{"role": "user", "content": REQUEST}], add_generation_prompt=True,
-                                     tokenize=False)
+def test_greedy_chat_writes_the_square_function(qwen, bits, monkeypatch):
+    """What ``turboquant chat --model qwen2.5-coder-1.5b [--bits 3.25]`` runs: the fp32 cache,
+    and attention computed from 3.25-bit codes (``attention_from_codes`` is called)."""
+    import io
+
     from mlx_lm.models.cache import make_prompt_cache as fp32_cache
-    cache = fp32_cache(model) if bits is None else make_prompt_cache(model, bits=bits)
-    out = generate(model, tok, prompt, max_tokens=96, prompt_cache=cache)
+
+    from turboquant import attention
+    from turboquant.generate import cache_options, chat, new_cache
+    model, tok = qwen
+    from_codes = []
+    orig = attention.attention_from_codes
+    monkeypatch.setattr(attention, "attention_from_codes", lambda *a, **k: from_codes.append(1) or orig(*a, **k))
+    cache = fp32_cache(model) if bits is None else new_cache(model, cache_options(bits=bits))
+    turns = iter([REQUEST, ""])
+    msgs = chat(model, tok, cache, 96, read=lambda prompt: next(turns), out=io.StringIO())
+    out = msgs[1]["content"]
     assert "def " in out and any(s in out for s in ("x * x", "x ** 2", "x**2", "pow(x, 2)")), out
+    assert bool(from_codes) == (bits is not None)
 
 
 def test_the_tokenizer_round_trips_code_and_keeps_chat_tokens_whole(qwen):
@@ -150,3 +159,35 @@ def test_the_tokenizer_round_trips_code_and_keeps_chat_tokens_whole(qwen):
     assert tok.encode("12345") == [tok.encode(d)[0] for d in "12345"]          # digits one by one
     cfg = json.loads((model_dir(NAME) / "config.json").read_text())
     assert cfg["eos_token_id"][0] == 151645                                    # <|im_end|> ends a turn
+
+
+def test_attention_from_codes_runs_through_the_cpu_kernels_at_d128_with_6_heads_per_kv_head(qwen, monkeypatch):
+    """A decode step's attention over Qwen's own keys and values (layer 5, 4-bit codes), 12
+    query heads on 2 kv heads of D = 128: the CPU kernels are called and give the mx path's
+    output on the same codes. (End to end, logits differ more: the kernels' encode may round
+    a coordinate on a threshold the other way, and 27 coded layers amplify it.)"""
+    from turboquant import kernels
+    from turboquant.attention import attention_from_codes
+    from turboquant.codecs import TurboQuantMSE
+    from turboquant.codes import CodeBuffer, CodesView
+    from turboquant.evaluation import capture_qkv
+    model, tok = qwen
+    backend = kernels.active()
+    if backend is None:
+        pytest.skip(f"no kernel back-end here: {kernels.why()}")
+    calls = []
+    for name in ("attend", "scores", "values"):
+        orig = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda *a, _f=orig, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    layer = capture_qkv(model, tok.encode("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"))[5]
+    q, k, v = layer["q"][:, :, -1:], layer["k"], layer["v"]
+    assert q.shape[1] == 6 * k.shape[1] and k.shape[-1] == 128
+    kc, vc = TurboQuantMSE(128, 4), TurboQuantMSE(128, 4, seed=1)
+    with kernels.use(None):                                                  # the same codes for both
+        keys = CodesView(kc, CodeBuffer(kc.encode(k).arrays), mx.float32)
+        values = CodesView(vc, CodeBuffer(vc.encode(v).arrays), mx.float32)
+    fast = attention_from_codes(q, keys, values, scale=layer["scale"])
+    assert calls, "the CPU kernels were not called"
+    with kernels.use(None):
+        ref = attention_from_codes(q, keys, values, scale=layer["scale"])
+    assert mx.abs(fast - ref).max().item() <= 1e-5 * mx.abs(ref).max().item()
