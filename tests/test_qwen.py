@@ -145,8 +145,9 @@ def test_greedy_chat_writes_the_square_function(qwen, bits, monkeypatch):
     monkeypatch.setattr(attention, "attention_from_codes", lambda *a, **k: from_codes.append(1) or orig(*a, **k))
     cache = fp32_cache(model) if bits is None else new_cache(model, cache_options(bits=bits))
     turns = iter([REQUEST, ""])
-    msgs = chat(model, tok, cache, 96, read=lambda prompt: next(turns), out=io.StringIO())
-    out = msgs[1]["content"]
+    msgs = chat(model, tok, cache, 64, read=lambda prompt: next(turns), out=io.StringIO(),
+                system="Reply with the code only: no docstring, no explanation.")
+    out = msgs[-1]["content"]
     assert "def " in out and any(s in out for s in ("x * x", "x ** 2", "x**2", "pow(x, 2)")), out
     assert bool(from_codes) == (bits is not None)
 
