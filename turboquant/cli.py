@@ -222,6 +222,31 @@ def _config_names(args) -> list[str]:
     return names
 
 
+def _longctx(args) -> int:
+    from .longcontext import long_context_run
+    names = _config_names(args)
+    try:
+        record = long_context_run(args.model, names, args.context, args.questions, args.min_back, out=args.out,
+                                  max_tokens=args.max_tokens, progress=not args.quiet)
+    except ValueError as e:
+        args.parser.error(str(e))
+    s = record["setup"]
+    print(f"{s['model']}: {s['context_tokens']:,} tokens of this package's source, {len(s['questions'])} "
+          f"signature questions {min(q['tokens_back'] for q in s['questions']):,}–"
+          f"{max(q['tokens_back'] for q in s['questions']):,} tokens back")
+    print(f"{'configuration':16s} {'bits':>5} {'right':>7} {'95 % interval':>15} {'cache MB':>9} {'prefill/s':>9} "
+          f"{'decode/s':>8} {'peak GB':>7}")
+    from .evaluation.intervals import wilson
+    for name, r in record["results"].items():
+        iv = wilson(r["correct"], r["n"])
+        print(f"{name:16s} {r['bits']:>5.3g} {r['correct']:>3}/{r['n']:<3} [{iv.lo:.2f}, {iv.hi:.2f}]".ljust(48)
+              + f" {r['cache_nbytes'] / 1e6:>9.1f} {r['prefill_tok_s']:>9.1f} {r['decode_tok_s']:>8.2f} "
+              f"{r['peak_rss'] / 1e9:>7.2f}")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
 def _needle(args) -> int:
     from .models import load
     from .needles import needle_grid, needle_table
@@ -555,6 +580,23 @@ def main(argv=None) -> int:
     nd.add_argument("--quiet", action="store_true", help="no progress bars")
     nd.set_defaults(run=_needle)
 
+    lc = sub.add_parser("longctx", help="long context over real code: signature questions far back, per cache",
+                        description="This package's own source fills the context (code no model was trained "
+                        "on); questions ask for the signature of functions defined far back. Per cache "
+                        "configuration (each in its own process): answers right, cache bytes, prefill and "
+                        "decode tokens/s, peak process memory. Resumable JSON.")
+    lc.add_argument("--model", default="qwen2.5-coder-1.5b", help=f"{names}, or the path of an mlx-lm model folder")
+    lc.add_argument("--configs", nargs="+", default=["fp32", "budget K4/V4", "budget K3/V3", "budget K2/V2"],
+                    help="configuration names (see `eval --list`; not calibrated ones)")
+    lc.add_argument("--context", type=_int_at_least(256), default=8192, help="context tokens")
+    lc.add_argument("--questions", type=_int_at_least(1), default=20, help="signature questions")
+    lc.add_argument("--min-back", type=_int_at_least(0), default=2048,
+                    help="questions ask about functions at least this many tokens before the end")
+    lc.add_argument("--max-tokens", type=_int_at_least(1), default=32, help="greedy tokens per answer")
+    lc.add_argument("--out", default=None, help="JSON written after every configuration; an existing file resumes")
+    lc.add_argument("--quiet", action="store_true", help="no progress bars")
+    lc.set_defaults(run=_longctx)
+
     k = sub.add_parser("kernels", help="which fused-kernel back-end is used, why, and its self-check")
     k.add_argument("--emulated", action="store_true", help="check the GPU kernel bodies through their C++ build (CPU)")
     k.add_argument("--bench", action="store_true", help=argparse.SUPPRESS)   # deprecated: `bench decode`
@@ -583,7 +625,7 @@ def main(argv=None) -> int:
     bg.add_argument("--quiet", action="store_true", help="no progress lines")
     bg.set_defaults(run=_bench_generate)
     args = p.parse_args(argv)
-    args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c, "needle": nd,
+    args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c, "needle": nd, "longctx": lc,
                    "bench": {"decode": bd, "generate": bg}.get(getattr(args, "what", None), b)}[args.command]
     try:
         # where results go is checked before the work that produces them

@@ -28,7 +28,7 @@ from .checks import check_int
 from .paths import cache_root
 
 __all__ = ["check", "tiny_model", "ByteTokenizer", "run_in_chunks", "MODELS", "DEFAULT_NAME", "DEFAULT_MODEL", "cache_root",
-           "model_gguf", "model_dir", "default_gguf", "default_model_dir", "load", "load_default"]
+           "model_gguf", "model_dir", "default_gguf", "default_model_dir", "load", "load_default", "load_tokenizer"]
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, num_layers: int = 4, hidden_size: int = 64,
@@ -269,16 +269,8 @@ def _check_memory(folder: Path) -> None:
                          "are available: loading it would exhaust memory; close other work or use a larger machine")
 
 
-def load(name_or_path: str | os.PathLike = DEFAULT_NAME, folder: str | os.PathLike | None = None):
-    """(model, tokenizer) in float32, offline.
-
-    ``name_or_path`` is an installed model's name (``MODELS``: "smollm2-135m", the default,
-    "gemma3-270m" or "qwen2.5-coder-1.5b"), converted from its GGUF on first use into
-    ``folder`` (default ``model_dir(name)``; SmolLM2 about 10 s and 538 MB, Gemma about 20 s
-    and 1.1 GB, Qwen2.5-Coder about 7.1 GB), or the
-    path of any mlx-lm model folder (``config.json`` + safetensors, e.g. from the Hugging
-    Face cache). A folder from another GGUF or a partial one is converted again."""
-    from mlx_lm import load as mlx_load
+def _model_folder(name_or_path, folder=None) -> Path:
+    """The mlx-lm folder of an installed model (converted on first use) or a folder path."""
     from .convert import convert_gguf
     if isinstance(name_or_path, str) and name_or_path in MODELS:
         gguf = model_gguf(name_or_path)
@@ -299,6 +291,29 @@ def load(name_or_path: str | os.PathLike = DEFAULT_NAME, folder: str | os.PathLi
         from mlx_lm.utils import MODEL_REMAPPING
         if importlib.util.find_spec(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}") is None:
             raise ValueError(f"{folder}: mlx-lm has no model type {model_type!r}")
+    return folder
+
+
+def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_NAME):
+    """The tokenizer ``load`` would return, without reading the weights (converting an
+    installed model first if it never was)."""
+    from mlx_lm.utils import load_tokenizer as mlx_tokenizer
+    folder = _model_folder(name_or_path)
+    eos = json.loads((folder / "config.json").read_text()).get("eos_token_id")
+    return mlx_tokenizer(folder, eos_token_ids=eos)           # as mlx_lm.load makes it
+
+
+def load(name_or_path: str | os.PathLike = DEFAULT_NAME, folder: str | os.PathLike | None = None):
+    """(model, tokenizer) in float32, offline.
+
+    ``name_or_path`` is an installed model's name (``MODELS``: "smollm2-135m", the default,
+    "gemma3-270m" or "qwen2.5-coder-1.5b"), converted from its GGUF on first use into
+    ``folder`` (default ``model_dir(name)``; SmolLM2 about 10 s and 538 MB, Gemma about 20 s
+    and 1.1 GB, Qwen2.5-Coder about 7.1 GB), or the
+    path of any mlx-lm model folder (``config.json`` + safetensors, e.g. from the Hugging
+    Face cache). A folder from another GGUF or a partial one is converted again."""
+    from mlx_lm import load as mlx_load
+    folder = _model_folder(name_or_path, folder)
     _check_memory(folder)
     model, tokenizer = mlx_load(str(folder))         # a local folder: mlx-lm does not reach the hub
     model.set_dtype(mx.float32)

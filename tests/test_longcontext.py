@@ -1,0 +1,71 @@
+"""The long-context run over this package's own source (issue #29, ``turboquant longctx``):
+questions, the answer check, and a resumable run whose setup names the files it read."""
+import json
+
+import pytest
+
+from turboquant.longcontext import (QUESTION, answer_matches, long_context_run, package_source,
+                                    signature_questions, whole_files)
+from turboquant.models import load
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load("smollm2-135m")
+
+
+def test_answers_match_the_parameters_whitespace_aside():
+    assert answer_matches(" a,\n   b: int = 2) -> None:", "a, b: int = 2")
+    assert answer_matches("a, b=2,) ->", "a, b=2")                        # a trailing comma is allowed
+    assert not answer_matches("a, b=3)", "a, b=2")
+    assert not answer_matches("a, b=2, c)", "a, b=2")                     # more parameters is wrong
+    assert not answer_matches("a, b=2", "a, b=2")                         # never closed
+
+
+def test_the_context_is_cut_between_statements_and_the_questions_are_far_back(smol):
+    import ast
+    import re
+    _, tok = smol
+    text, manifest = package_source()
+    assert all(len(m["sha256"]) == 64 and not m["path"].endswith("__init__.py") for m in manifest)
+    ctx = whole_files(text, tok, 2048)
+    bodies = re.split(r"(?m)^# file: \S+\n", ctx)[1:]
+    for body in bodies:
+        ast.parse(body)                                                    # every file, whole or cut, parses
+    qs = signature_questions(ctx, tok, 3, 512)
+    assert qs == signature_questions(ctx, tok, 3, 512)                    # deterministic
+    assert [q["tokens_back"] for q in qs] == sorted((q["tokens_back"] for q in qs), reverse=True)
+    assert all(q["tokens_back"] >= 512 for q in qs)
+    for q in qs:                                                           # the source really says so
+        assert f"def {q['name']}({q['params']})" in ctx and ctx.count(f"def {q['name']}(") == 1
+        assert QUESTION.format(name=q["name"]).endswith(f"def {q['name']}(")
+    with pytest.raises(ValueError, match="ask fewer"):
+        signature_questions(ctx, tok, 1000, 512)
+    with pytest.raises(ValueError, match="fewer than"):
+        whole_files("def f(a, b):\n    return a\n", tok, 2048)
+
+
+def test_a_run_records_each_configuration_resumes_and_refuses_another_setup(tmp_path, monkeypatch):
+    out = tmp_path / "lc.json"
+    kw = dict(context_tokens=512, questions=1, min_back=64, out=out, max_tokens=4, progress=False)
+    first = long_context_run("smollm2-135m", ["fp32"], **kw)
+    row = first["results"]["fp32"]
+    assert json.loads(out.read_text()) == first
+    assert row["n"] == 1 and row["cache_tokens"] == first["setup"]["context_tokens"] <= 512
+    assert row["cache_nbytes"] > 0 and row["prefill_tok_s"] > 0 and row["peak_rss"] > 0
+    assert first["setup"]["files"] and all("sha256" in f for f in first["setup"]["files"])
+    import turboquant.longcontext as lc
+    monkeypatch.setattr(lc, "run_config", lambda *a, **k: pytest.fail("a recorded row was run again"))
+    assert long_context_run("smollm2-135m", ["fp32"], **kw)["results"] == first["results"]
+    with pytest.raises(ValueError, match="another setup"):
+        long_context_run("smollm2-135m", ["fp32"], **{**kw, "max_tokens": 5})
+    with pytest.raises(ValueError, match="unknown configuration"):
+        long_context_run("smollm2-135m", ["nope"], **kw)
+
+
+def test_load_tokenizer_is_the_tokenizer_load_returns(smol):
+    from turboquant.models import load_tokenizer
+    _, tok = smol
+    alone = load_tokenizer("smollm2-135m")
+    text = "def f(x):\n    return x ** 2  # 12345 <|im_end|>"
+    assert alone.encode(text) == tok.encode(text) and alone.eos_token_ids == tok.eos_token_ids
