@@ -69,3 +69,16 @@ def test_load_tokenizer_is_the_tokenizer_load_returns(smol):
     alone = load_tokenizer("smollm2-135m")
     text = "def f(x):\n    return x ** 2  # 12345 <|im_end|>"
     assert alone.encode(text) == tok.encode(text) and alone.eos_token_ids == tok.eos_token_ids
+
+
+def test_a_file_that_is_not_a_record_is_refused_and_kept(tmp_path):
+    from turboquant.records import read_record, write_record
+    f = tmp_path / "mine.json"
+    f.write_text('{"my": "notes"}')
+    with pytest.raises(ValueError, match="is not a long-context run record"):
+        read_record(f, "long-context run")
+    assert f.read_text() == '{"my": "notes"}'
+    assert read_record(tmp_path / "absent.json", "x") is None
+    write_record(tmp_path / "sub" / "r.json", {"setup": {}, "results": {"a": 1}})
+    assert read_record(tmp_path / "sub" / "r.json", "x") == {"setup": {}, "results": {"a": 1}}
+    assert not list((tmp_path / "sub").glob("*.tmp"))

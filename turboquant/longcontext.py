@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import copy
 import hashlib
-import json
 import platform
 import re
 import time
@@ -200,6 +199,7 @@ def long_context_run(model_name: str, names: Sequence[str], context_tokens: int 
     import multiprocessing as mp
 
     from .models import load_tokenizer
+    from .records import read_record, write_record
     from .suite import CONFIGS
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
@@ -217,12 +217,8 @@ def long_context_run(model_name: str, names: Sequence[str], context_tokens: int 
     setup = {"model": model_name, "context_tokens": len(ids), "asked_tokens": context_tokens, "questions": qs,
              "max_tokens": max_tokens, "files": [m for m in manifest if f"# file: {m['path']}\n" in context]}
     record = {"setup": setup, "results": {}}
-    if out is not None and Path(out).exists():
-        try:
-            old = json.loads(Path(out).read_text())
-            old["setup"], old["results"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{out} is not a long-context run ({e}); remove it or choose another --out") from None
+    old = read_record(out, "long-context run")
+    if old is not None:
         if {k: v for k, v in old["setup"].items() if k in setup} != setup:
             raise ValueError(f"{out} holds a run with another setup (model, context, questions or source files "
                              "differ); remove it or choose another --out")
@@ -245,10 +241,7 @@ def long_context_run(model_name: str, names: Sequence[str], context_tokens: int 
         record["results"][name] = row
         record["setup"].update(machine=platform.machine())
         if out is not None:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(out).with_suffix(".tmp")
-            tmp.write_text(json.dumps(record, indent=1))
-            tmp.replace(out)
+            write_record(out, record)
         if progress:
             print(f"longctx: {name}: {row['correct']}/{row['n']} right, {row['prefill_tok_s']:.1f} tok/s prefill, "
                   f"{row['decode_tok_s']:.2f} tok/s decode, cache {row['cache_nbytes'] / 1e6:,.1f} MB, "

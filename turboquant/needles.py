@@ -53,6 +53,7 @@ def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
     from .data import load_text
     from .evaluation import encode_text, needle_accuracy, needle_values
     from .memory import geometry_from_model
+    from .records import read_record, write_record
     from .suite import CONFIGS, calibration_statistics
     values = check_int("values", values, 1)
     chunk = check_int("chunk", chunk, 1)
@@ -69,13 +70,9 @@ def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
     digest = _profile_digest(model) if any(getattr(CONFIGS[n], "needs_profile", False) for n in names) else None
     setup = _setup(model_name, contexts, list(depths), values, chunk, calibration_corpus)
     record = {"setup": setup, "results": {}}
-    if out is not None and Path(out).exists():
-        try:
-            record = json.loads(Path(out).read_text())
-            record["setup"], record["results"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{out} is not a needle grid this command wrote ({e}); remove it or choose another "
-                             "--out") from None
+    old_record = read_record(out, "needle grid")
+    if old_record is not None:
+        record = old_record
         old = {k: record.get("setup", {}).get(k) for k in setup if k != "contexts"}
         if old != {k: v for k, v in setup.items() if k != "contexts"}:
             raise ValueError(f"{out} holds a grid with another setup ({old}); remove it or choose another --out")
@@ -110,10 +107,7 @@ def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
                 row["seconds"] += time.time() - t0
                 record["setup"].update(machine=platform.machine(), mlx=mx.__version__)
                 if out is not None:
-                    Path(out).parent.mkdir(parents=True, exist_ok=True)
-                    tmp = Path(out).with_suffix(".tmp")
-                    tmp.write_text(json.dumps(record, indent=1))
-                    tmp.replace(out)                      # never a half-written file
+                    write_record(out, record)
     return record
 
 

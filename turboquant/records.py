@@ -1,0 +1,33 @@
+"""Recorded runs as JSON files that long measurements write as they go (``turboquant
+needle``, ``turboquant longctx``): one home for reading a record back and for writing it
+so that an interrupted run never leaves half a file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["read_record", "write_record"]
+
+
+def read_record(path, what: str, option: str = "--out") -> Optional[dict]:
+    """The record at ``path`` ({"setup": …, "results": …}), or None when there is no file;
+    a file that is not such a record is refused by name (``what``: the command that writes
+    it), never overwritten."""
+    if path is None or not Path(path).exists():
+        return None
+    try:
+        record = json.loads(Path(path).read_text())
+        record["setup"], record["results"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a {what} record ({e}); remove it or choose another {option}") from None
+    return record
+
+
+def write_record(path, record: dict) -> None:
+    """Write ``record`` to ``path`` atomically: to a sibling file, then renamed over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)                                       # never a half-written file
