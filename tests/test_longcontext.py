@@ -53,6 +53,7 @@ def test_a_run_records_each_configuration_resumes_and_refuses_another_setup(tmp_
     assert json.loads(out.read_text()) == first
     assert row["n"] == 1 and row["cache_tokens"] == first["setup"]["context_tokens"] <= 512
     assert row["cache_nbytes"] > 0 and row["prefill_tok_s"] > 0 and row["peak_rss"] > 0
+    assert row["measured_bits"] >= 32 and row["fp16_nbytes"] < row["cache_nbytes"]      # fp32, steps of 256
     assert first["setup"]["files"] and all("sha256" in f for f in first["setup"]["files"])
     import turboquant.longcontext as lc
     monkeypatch.setattr(lc, "run_config", lambda *a, **k: pytest.fail("a recorded row was run again"))

@@ -234,13 +234,14 @@ def _longctx(args) -> int:
     print(f"{s['model']}: {s['context_tokens']:,} tokens of this package's source, {len(s['questions'])} "
           f"signature questions {min(q['tokens_back'] for q in s['questions']):,}–"
           f"{max(q['tokens_back'] for q in s['questions']):,} tokens back")
-    print(f"{'configuration':16s} {'bits':>5} {'right':>7} {'95 % interval':>15} {'cache MB':>9} {'prefill/s':>9} "
-          f"{'decode/s':>8} {'peak GB':>7}")
+    print(f"{'configuration':16s} {'bits':>5} {'right':>7} {'95 % interval':>15} {'cache MB':>9} {'fp16 MB':>8} "
+          f"{'prefill/s':>9} {'decode/s':>8} {'peak GB':>7}")
     from .evaluation.intervals import wilson
     for name, r in record["results"].items():
         iv = wilson(r["correct"], r["n"])
         print(f"{name:16s} {r['bits']:>5.3g} {r['correct']:>3}/{r['n']:<3} [{iv.lo:.2f}, {iv.hi:.2f}]".ljust(48)
-              + f" {r['cache_nbytes'] / 1e6:>9.1f} {r['prefill_tok_s']:>9.1f} {r['decode_tok_s']:>8.2f} "
+              + f" {r['cache_nbytes'] / 1e6:>9.1f} {r['fp16_nbytes'] / 1e6:>8.1f} {r['prefill_tok_s']:>9.1f} "
+              f"{r['decode_tok_s']:>8.2f} "
               f"{r['peak_rss'] / 1e9:>7.2f}")
     if args.out:
         print(f"wrote {args.out}")

@@ -138,13 +138,15 @@ def run_config(model, tokenizer, name: str, context_ids: Sequence[int], question
     """One cache configuration (``suite.CONFIGS[name]``): prefill the context once, then each
     question from a deep copy of the filled cache (greedy, ``max_tokens``). → {"bits",
     "family", "prefill_tok_s", "decode_tok_s" (``decode_steps`` single-token steps after
-    the context), "cache_nbytes" (what the caches hold, ``memory``), "cache_tokens",
+    the context), "cache_nbytes" (the caches' bytes, allocation steps included),
+    "fp16_nbytes" (an fp16 cache of the same tokens), "measured_bits" (per coordinate,
+    ``memory.measured_bits``), "cache_tokens",
     "correct", "n", "answers": [{"name", "tokens_back", "answer", "ok"}], "peak_rss"}."""
     import mlx.core as mx
 
     from .attention import codes_attention
     from .evaluation import encode_text, fill_cache, fresh_cache, greedy
-    from .memory import geometry_from_model
+    from .memory import fp16_cache_bytes, geometry_from_model, measured_bits
     from .progress import progress as bar
     from .suite import CONFIGS
     cfg = CONFIGS[name]
@@ -155,7 +157,8 @@ def run_config(model, tokenizer, name: str, context_ids: Sequence[int], question
         t0 = time.perf_counter()
         fill_cache(model, x, cache, chunk)
         prefill_s = time.perf_counter() - t0
-        nbytes = sum(c.nbytes for c in cache)
+        nbytes, fp16 = sum(c.nbytes for c in cache), fp16_cache_bytes(model, cache)
+        bits = measured_bits(model, cache)
         probe = copy.deepcopy(cache)
         t0 = time.perf_counter()
         for t in range(decode_steps):
@@ -170,7 +173,8 @@ def run_config(model, tokenizer, name: str, context_ids: Sequence[int], question
                             "ok": answer_matches(out, q["params"])})
     return {"family": cfg.family, "bits": cfg.bits(geometry_from_model(model).head_dim),
             "prefill_tok_s": len(context_ids) / prefill_s, "decode_tok_s": decode_steps / decode_s,
-            "cache_nbytes": nbytes, "cache_tokens": len(context_ids), "correct": sum(a["ok"] for a in answers),
+            "cache_nbytes": nbytes, "fp16_nbytes": fp16, "measured_bits": bits, "cache_tokens": len(context_ids),
+            "correct": sum(a["ok"] for a in answers),
             "n": len(answers), "answers": answers, "peak_rss": _peak_rss()}
 
 
