@@ -279,3 +279,11 @@ def test_channel_profile_sees_an_outlier_channel_and_the_rotation_spread_it():
         channel_profile(np.full((2, D), np.nan))
     with pytest.raises(ValueError, match="dim 64"):
         channel_profile(x, Rotation("haar", 64))
+    import matplotlib.pyplot as plt
+
+    from turboquant.viz import plot_key_channels
+    fig = plot_key_channels([raw], [rot], 0)
+    assert "peak/median" in fig.axes[0].get_title()
+    plt.close(fig)
+    with pytest.raises(ValueError, match="layer must lie"):
+        plot_key_channels([raw], [rot], 1)

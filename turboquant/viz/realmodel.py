@@ -143,3 +143,24 @@ def plot_needle_grid(record: dict):
     axes[0][0].set_ylabel("needles found (95 % Wilson interval)")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     return fig
+
+
+def plot_key_channels(raw: list, rotated: list, layer: int = 0, title: str = ""):
+    """One layer's key channels (``evaluation.channel_profile`` per layer, ``raw`` and
+    ``rotated``): each channel's RMS of the unit key's coordinate, before and after the
+    rotation, on a log axis with 1/√D marked (every channel's RMS when the directions are
+    spread evenly)."""
+    if not 0 <= layer < len(raw) or len(raw) != len(rotated):
+        raise ValueError(f"layer must lie in [0, {len(raw) - 1}] and raw/rotated have one profile per layer, "
+                         f"got layer {layer}, {len(raw)} and {len(rotated)} profiles")
+    D = len(raw[layer]["rms"])
+    fig, ax = figure(width=7.0, height=3.2)
+    ax.semilogy(raw[layer]["rms"], ".", label="raw channels")
+    ax.semilogy(rotated[layer]["rms"], ".", label="after a random rotation")
+    ax.axhline(1 / np.sqrt(D), color="0.4", lw=1, ls="--", label="1/√D")
+    ax.set_xlabel("channel")
+    ax.set_ylabel("RMS of the unit key's coordinate")
+    ax.set_title(f"{title}layer {layer}: peak/median {raw[layer]['peak_to_median']:.0f} raw, "
+                 f"{rotated[layer]['peak_to_median']:.1f} rotated", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    return fig
