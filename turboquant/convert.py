@@ -104,27 +104,29 @@ def _config(reader) -> dict:
     arch = _field(reader, "general.architecture")
     if arch == "gemma3":
         return _gemma3_config(reader)
-    if arch == "qwen2":
-        return _qwen2_config(reader)
-    if arch != "llama":
+    if arch not in ("llama", "qwen2"):
         raise ValueError(f"only llama-, gemma3- and qwen2-architecture GGUF files are supported, got {arch!r}")
-    g = lambda k, d=None: _field(reader, f"llama.{k}", d)  # noqa: E731
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
-    tensors = {t.name for t in reader.tensors}
+    tensors = {t.name: t for t in reader.tensors}
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": hidden, "intermediate_size": int(g("feed_forward_length")),
+    config = {
+        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "model_type": arch, "hidden_size": hidden, "intermediate_size": int(g("feed_forward_length")),
         "num_hidden_layers": int(g("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": int(g("attention.head_count_kv", heads)),
-        "head_dim": hidden // heads,
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "rope_theta": float(g("rope.freq_base", 10000.0 if arch == "llama" else 1_000_000.0)),
         "max_position_embeddings": int(g("context_length")),
-        "vocab_size": len(tokens), "tie_word_embeddings": "output.weight" not in tensors,
+        "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
         "eos_token_id": _eos_ids(reader, tokens), "torch_dtype": "float32",
     }
+    if arch == "llama":                                  # mlx-lm's llama takes the head size
+        config.update(head_dim=hidden // heads, vocab_size=len(tokens))
+    else:                                                # the embedding matrix's rows
+        config["vocab_size"] = int(tensors["token_embd.weight"].shape[1])
+    return config
 
 
 def _gemma3_config(reader) -> dict:
@@ -145,25 +147,6 @@ def _gemma3_config(reader) -> dict:
         "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
         "eos_token_id": [int(_field(reader, "tokenizer.ggml.eos_token_id")), tokens.index("<end_of_turn>")],
         "torch_dtype": "float32",
-    }
-
-
-def _qwen2_config(reader) -> dict:
-    g = lambda k, d=None: _field(reader, f"qwen2.{k}", d)  # noqa: E731
-    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
-    tensors = {t.name: t for t in reader.tensors}
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-        "hidden_size": hidden, "intermediate_size": int(g("feed_forward_length")),
-        "num_hidden_layers": int(g("block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
-        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(g("rope.freq_base", 1_000_000.0)),
-        "max_position_embeddings": int(g("context_length")),
-        "vocab_size": int(tensors["token_embd.weight"].shape[1]), "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        "eos_token_id": _eos_ids(reader, tokens), "torch_dtype": "float32",
     }
 
 
