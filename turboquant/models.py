@@ -145,7 +145,8 @@ def _spec(name: str) -> dict:
 def model_gguf(name: str = DEFAULT_NAME) -> Path:
     """Path of model ``name``'s GGUF: inside its wheel, or (for files split across wheels)
     assembled once under ``cache_root()/gguf`` by the wheel's own ``assemble`` (which
-    checks the SHA-256)."""
+    checks the SHA-256), or joined there from pieces in many wheels by this package
+    (``_joined_parts``, against the digest pinned in ``MODELS``)."""
     m = _spec(name)
     if "parts" in m:
         return _joined_parts(name, m)
