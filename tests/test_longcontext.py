@@ -83,3 +83,22 @@ def test_a_file_that_is_not_a_record_is_refused_and_kept(tmp_path):
     write_record(tmp_path / "sub" / "r.json", {"setup": {}, "results": {"a": 1}})
     assert read_record(tmp_path / "sub" / "r.json", "x") == {"setup": {}, "results": {"a": 1}}
     assert not list((tmp_path / "sub").glob("*.tmp"))
+
+
+def test_a_configuration_whose_process_fails_is_reported_by_name(tmp_path):
+    """The child loads the weights; a model folder whose weights are corrupt fails there, and
+    the parent says which configuration failed and why (it does not hang or crash)."""
+    import shutil
+
+    from turboquant.models import load_tokenizer, model_dir
+    load_tokenizer("smollm2-135m")                                          # converted once
+    src, broken = model_dir("smollm2-135m"), tmp_path / "broken"
+    broken.mkdir()
+    for f in src.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, broken / f.name)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(RuntimeError, match="fp32 failed"):
+        long_context_run(str(broken), ["fp32"], context_tokens=512, questions=1, min_back=64,
+                         out=tmp_path / "lc.json", max_tokens=2, progress=False)
+    assert not (tmp_path / "lc.json").exists()                             # nothing recorded for it

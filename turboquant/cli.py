@@ -230,6 +230,10 @@ def _longctx(args) -> int:
                                   max_tokens=args.max_tokens, progress=not args.quiet)
     except ValueError as e:
         args.parser.error(str(e))
+    except RuntimeError as e:                     # a configuration's process failed: the rows before it are kept
+        print(f"turboquant longctx: error: {e}" + (f"; the configurations before it are in {args.out}"
+                                                   if args.out else ""), file=sys.stderr)
+        return 1
     s = record["setup"]
     print(f"{s['model']}: {s['context_tokens']:,} tokens of this package's source, {len(s['questions'])} "
           f"signature questions {min(q['tokens_back'] for q in s['questions']):,}–"

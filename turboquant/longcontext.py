@@ -238,8 +238,13 @@ def long_context_run(model_name: str, names: Sequence[str], context_tokens: int 
                                              {"max_tokens": max_tokens, "progress": progress}))
         p.start()
         child.close()
-        status, row = parent.recv()
+        try:
+            status, row = parent.recv()
+        except EOFError:                                  # the process died without a word (e.g. killed for memory)
+            status, row = "error", "its process ended without a result"
         p.join()
+        if status != "ok" and p.exitcode:
+            row = f"{row} (exit code {p.exitcode})"
         if status != "ok":
             raise RuntimeError(f"longctx: {name} failed: {row}")
         record["results"][name] = row
