@@ -43,11 +43,14 @@ def test_the_context_is_cut_between_statements_and_the_questions_are_far_back(sm
         signature_questions(ctx, tok, 1000, 512)
     with pytest.raises(ValueError, match="fewer than"):
         whole_files("def f(a, b):\n    return a\n", tok, 2048)
+    from turboquant.evaluation import encode_text
+    short = signature_questions(ctx, tok, 1, 512, max_tokens=14)          # answers must fit the greedy budget
+    assert all(len(encode_text(tok, q["params"] + ")")) <= 12 for q in short)
 
 
-def test_a_run_records_each_configuration_resumes_and_refuses_another_setup(tmp_path, monkeypatch):
+def test_a_run_records_each_configuration_resumes_and_refuses_another_setup(tmp_path, monkeypatch, smol):
     out = tmp_path / "lc.json"
-    kw = dict(context_tokens=512, questions=1, min_back=64, out=out, max_tokens=4, progress=False)
+    kw = dict(context_tokens=512, questions=1, min_back=64, out=out, max_tokens=16, progress=False)
     first = long_context_run("smollm2-135m", ["fp32"], **kw)
     row = first["results"]["fp32"]
     assert json.loads(out.read_text()) == first
@@ -55,11 +58,12 @@ def test_a_run_records_each_configuration_resumes_and_refuses_another_setup(tmp_
     assert row["cache_nbytes"] > 0 and row["prefill_tok_s"] > 0 and row["peak_rss"] > 0
     assert row["measured_bits"] >= 32 and row["fp16_nbytes"] < row["cache_nbytes"]      # fp32, steps of 256
     assert first["setup"]["files"] and all("sha256" in f for f in first["setup"]["files"])
-    import turboquant.longcontext as lc
-    monkeypatch.setattr(lc, "run_config", lambda *a, **k: pytest.fail("a recorded row was run again"))
+    import multiprocessing
+    monkeypatch.setattr(multiprocessing, "get_context", lambda *a: pytest.fail("a recorded row was run again"))
     assert long_context_run("smollm2-135m", ["fp32"], **kw)["results"] == first["results"]
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="another setup"):
-        long_context_run("smollm2-135m", ["fp32"], **{**kw, "max_tokens": 5})
+        long_context_run("smollm2-135m", ["fp32"], **{**kw, "max_tokens": 17})
     with pytest.raises(ValueError, match="unknown configuration"):
         long_context_run("smollm2-135m", ["nope"], **kw)
 
@@ -82,7 +86,13 @@ def test_a_file_that_is_not_a_record_is_refused_and_kept(tmp_path):
     assert read_record(tmp_path / "absent.json", "x") is None
     write_record(tmp_path / "sub" / "r.json", {"setup": {}, "results": {"a": 1}})
     assert read_record(tmp_path / "sub" / "r.json", "x") == {"setup": {}, "results": {"a": 1}}
-    assert not list((tmp_path / "sub").glob("*.tmp"))
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["r.json"]      # no temporary file left
+    (tmp_path / "odd.json").write_text('{"setup": [], "results": 1}')
+    with pytest.raises(ValueError, match="not objects"):
+        read_record(tmp_path / "odd.json", "x")
+    (tmp_path / "sub" / "r.tmp").write_text("the user's own notes")
+    write_record(tmp_path / "sub" / "r.json", {"setup": {}, "results": {}})
+    assert (tmp_path / "sub" / "r.tmp").read_text() == "the user's own notes"
 
 
 def test_a_configuration_whose_process_fails_is_reported_by_name(tmp_path):
@@ -100,5 +110,5 @@ def test_a_configuration_whose_process_fails_is_reported_by_name(tmp_path):
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(RuntimeError, match="fp32 failed"):
         long_context_run(str(broken), ["fp32"], context_tokens=512, questions=1, min_back=64,
-                         out=tmp_path / "lc.json", max_tokens=2, progress=False)
+                         out=tmp_path / "lc.json", max_tokens=16, progress=False)
     assert not (tmp_path / "lc.json").exists()                             # nothing recorded for it

@@ -106,8 +106,12 @@ def _load_for_generation(args):
     if getattr(args, "load_cache", None) and set_:
         args.parser.error(f"--load-cache restores the saved cache with its own codecs: {', '.join(set_)} "
                           "would contradict it")
+    if args.profile is not None and args.bits is None and (args.key_bits or args.value_bits or args.codec):
+        args.parser.error("argument --profile: it chooses the configuration for --bits, not for "
+                          "--key-bits/--value-bits/--codec")
     if args.profile is not None and args.bits is None:
-        args.parser.error("argument --profile: it chooses the configuration for --bits; give --bits too")
+        from .generate import DEFAULT_BITS
+        args.bits = DEFAULT_BITS                          # the default budget, from the profile
     if args.profile not in (None, True):
         try:
             found = Path(args.profile).is_file()
@@ -231,8 +235,9 @@ def _longctx(args) -> int:
     except ValueError as e:
         args.parser.error(str(e))
     except RuntimeError as e:                     # a configuration's process failed: the rows before it are kept
+        kept = args.out and Path(args.out).exists()
         print(f"turboquant longctx: error: {e}" + (f"; the configurations before it are in {args.out}"
-                                                   if args.out else ""), file=sys.stderr)
+                                                   if kept else ""), file=sys.stderr)
         return 1
     s = record["setup"]
     print(f"{s['model']}: {s['context_tokens']:,} tokens of this package's source, {len(s['questions'])} "

@@ -74,12 +74,14 @@ def _params(body: str, node) -> Optional[str]:
     return None
 
 
-def signature_questions(context: str, tokenizer, n: int, min_back: int) -> list[dict]:
+def signature_questions(context: str, tokenizer, n: int, min_back: int, max_tokens: int = 32) -> list[dict]:
     """``n`` questions about functions defined in ``context`` (files with ``# file:``
     lines, ``whole_files``) at least ``min_back`` tokens before its end, spread evenly over
     that range, farthest first. A function qualifies when its name is defined once in the
-    context and it takes a parameter besides ``self``/``cls`` (something to copy beyond
-    the name). → [{"name", "params", "tokens_back", "file"}], deterministic."""
+    context, it takes a parameter besides ``self``/``cls`` (something to copy beyond the
+    name) and its answer — the parameters and ``)`` — fits in ``max_tokens - 2`` tokens
+    (the greedy answer's length). → [{"name", "params", "tokens_back", "file"}],
+    deterministic."""
     from .evaluation import encode_text
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"the number of questions must be an int >= 1, got {n!r}")
@@ -107,6 +109,7 @@ def signature_questions(context: str, tokenizer, n: int, min_back: int) -> list[
             if params is not None and (named or a.vararg or a.kwarg):
                 defs.append({"name": node.name, "params": params, "file": h.group(1),
                              "offset": h.end() + starts[node.lineno - 1]})
+    defs = [d for d in defs if len(encode_text(tokenizer, d["params"] + ")")) <= max_tokens - 2]
     for d in defs:
         d["tokens_back"] = len(encode_text(tokenizer, context[d["offset"]:]))
     far = sorted((d for d in defs if d["tokens_back"] >= min_back), key=lambda d: -d["tokens_back"])
@@ -217,7 +220,7 @@ def long_context_run(model_name: str, names: Sequence[str], context_tokens: int 
     context = whole_files(text, tok, context_tokens)
     from .evaluation import encode_text
     ids = encode_text(tok, context)
-    qs = signature_questions(context, tok, questions, min_back)
+    qs = signature_questions(context, tok, questions, min_back, max_tokens)
     setup = {"model": model_name, "context_tokens": len(ids), "asked_tokens": context_tokens, "questions": qs,
              "max_tokens": max_tokens, "files": [m for m in manifest if f"# file: {m['path']}\n" in context]}
     record = {"setup": setup, "results": {}}
@@ -227,22 +230,32 @@ def long_context_run(model_name: str, names: Sequence[str], context_tokens: int 
             raise ValueError(f"{out} holds a run with another setup (model, context, questions or source files "
                              "differ); remove it or choose another --out")
         record = old
-    ctx = mp.get_context("spawn")
     for name in names:
         if name in record["results"]:
             continue
         if progress:
             print(f"longctx: {name} on {len(ids):,} tokens, {len(qs)} questions", flush=True)
+        ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, args=(child, model_name, name, ids, qs,
                                              {"max_tokens": max_tokens, "progress": progress}))
         p.start()
         child.close()
         try:
-            status, row = parent.recv()
-        except EOFError:                                  # the process died without a word (e.g. killed for memory)
             status, row = "error", "its process ended without a result"
-        p.join()
+            while p.is_alive() or parent.poll():
+                if parent.poll(5):
+                    status, row = parent.recv()
+                    break
+        except EOFError:                                  # the process died without a word (e.g. killed for memory)
+            pass
+        finally:                                          # never leave a 7 GB process behind (e.g. on Ctrl-C)
+            parent.close()
+            if p.is_alive():
+                p.join(30)
+            if p.is_alive():
+                p.terminate()
+                p.join(10)
         if status != "ok" and p.exitcode:
             row = f"{row} (exit code {p.exitcode})"
         if status != "ok":

@@ -207,10 +207,13 @@ def _joined_parts(name: str, m: dict) -> Path:
     if _free_bytes(target.parent) < m["bytes"] + (64 << 20):
         raise ValueError(f"joining {m['gguf']} needs {m['bytes'] / 2**30:.2f} GiB free in {target.parent}; "
                          f"{_free_bytes(target.parent) / 2**30:.2f} GiB are (set TURBOQUANT_CACHE elsewhere)")
+    import tempfile
+
     from .progress import progress
-    part, digest = target.with_name(target.name + ".part"), hashlib.sha256()
+    fd, name_ = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".part")
+    part, digest = Path(name_), hashlib.sha256()      # its own file: a second process joining never shares it
     try:
-        with open(part, "wb") as out:
+        with os.fdopen(fd, "wb") as out:
             for piece in progress(pieces, len(pieces), f"joining {m['gguf']}", sys.stderr.isatty(), "piece"):
                 with open(piece, "rb") as f:
                     while block := f.read(8 << 20):
@@ -262,7 +265,10 @@ def _available_memory() -> int | None:
 
 
 def _check_memory(folder: Path) -> None:
-    """Refuse, before reading a byte, a model whose safetensors exceed the available memory."""
+    """Refuse, before reading a byte, a model whose safetensors exceed the available memory
+    (Linux's MemAvailable; where the kernel does not say, e.g. macOS, nothing is checked).
+    The files' size is the need for float32 folders such as the conversions here; a float16
+    folder doubles when ``load`` casts it to float32, which this does not count."""
     need = sum(f.stat().st_size for f in Path(folder).glob("model*.safetensors"))
     have = _available_memory()
     if have is not None and need > have:

@@ -18,16 +18,25 @@ def read_record(path, what: str, option: str = "--out") -> Optional[dict]:
         return None
     try:
         record = json.loads(Path(path).read_text())
-        record["setup"], record["results"]
+        if not (isinstance(record["setup"], dict) and isinstance(record["results"], dict)):
+            raise TypeError("its setup and results are not objects")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a {what} record ({e}); remove it or choose another {option}") from None
     return record
 
 
 def write_record(path, record: dict) -> None:
-    """Write ``record`` to ``path`` atomically: to a sibling file, then renamed over it."""
+    """Write ``record`` to ``path`` atomically: to a new uniquely named sibling file (never
+    one that exists), then renamed over ``path``; the sibling is removed if anything fails."""
+    import os
+    import tempfile
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)                                       # never a half-written file
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record, indent=1))
+        os.replace(tmp, path)                               # never a half-written file
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -40,6 +40,8 @@ def channel_profile(keys, rotation=None) -> dict:
             raise ValueError(f"rotation of dim {rotation.dim} for keys of D = {y.shape[1]}")
         y = np.asarray(rotation.apply(mx.array(y.astype(np.float32))), dtype=np.float64)
     rms = np.sqrt(np.mean(y * y, axis=0))
+    if np.median(rms) == 0:
+        raise ValueError("more than half of the channels are zero in every key: a peak-to-median ratio is undefined")
     energy = np.sort(rms ** 2)[::-1]
     top = max(1, int(round(0.01 * len(rms))))
     return {"rms": rms, "peak_to_median": float(rms.max() / np.median(rms)),
