@@ -170,7 +170,7 @@ def _cache_arguments(p) -> None:
     g.add_argument("--bits", type=_bits, default=None, help="a budget in bits per coordinate, side information "
                    "included: the best measured configuration within it (Chapter 9)")
     g.add_argument("--profile", nargs="?", const=True, default=None, metavar="PATH",
-                   help="with --bits: the model's calibrated profile (or the profile file PATH) instead of the "
+                   help="with --bits (default 4.25): the model's calibrated profile (or the profile file PATH) instead of the "
                         "uncalibrated budgets; it helps on text like its calibration text and can lose on "
                         "other domains (Chapter 10)")
     g.add_argument("--key-bits", type=_int_in(1, 8), default=None, help="TurboQuant_mse bits for keys (1..8)")
