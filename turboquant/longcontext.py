@@ -181,9 +181,22 @@ def run_config(model, tokenizer, name: str, context_ids: Sequence[int], question
             "n": len(answers), "answers": answers, "peak_rss": _peak_rss()}
 
 
+def _orphan_watch(parent: int) -> None:
+    """Exit this process when its parent is gone (killed by a signal that skipped its
+    cleanup): a 7 GB child must not run on alone."""
+    import os
+    while os.getppid() == parent:
+        time.sleep(5)
+    os._exit(1)
+
+
 def _child(conn, model_name, name, context_ids, questions, kw):
+    import os
+    import threading
+
     import turboquant  # noqa: F401  (the fast BLAS before mlx)
     from .models import load
+    threading.Thread(target=_orphan_watch, args=(os.getppid(),), daemon=True).start()
     try:
         model, tok = load(model_name)
         conn.send(("ok", run_config(model, tok, name, context_ids, questions, **kw)))
