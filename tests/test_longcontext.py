@@ -15,11 +15,25 @@ def smol():
 
 
 def test_answers_match_the_parameters_whitespace_aside():
-    assert answer_matches(" a,\n   b: int = 2) -> None:", "a, b: int = 2")
-    assert answer_matches("a, b=2,) ->", "a, b=2")                        # a trailing comma is allowed
-    assert not answer_matches("a, b=3)", "a, b=2")
-    assert not answer_matches("a, b=2, c)", "a, b=2")                     # more parameters is wrong
-    assert not answer_matches("a, b=2", "a, b=2")                         # never closed
+    assert answer_matches("( a,\n   b: int = 2) -> None:", "a, b: int = 2")
+    assert answer_matches("(a, b=2,) ->", "a, b=2")                       # a trailing comma is allowed
+    assert not answer_matches("(a, b=3)", "a, b=2")
+    assert not answer_matches("(a, b=2, c)", "a, b=2")                    # more parameters is wrong
+    assert not answer_matches("(a, b=2", "a, b=2")                        # never closed
+    assert not answer_matches("a, b=2)", "a, b=2")                        # the answer opens the parenthesis
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-1.5b"])
+def test_the_question_ends_on_a_token_boundary_the_source_has(name):
+    """Qwen's tokenizer writes the source's ``def f(x`` with the token ``(x``: a prompt ending
+    in ``(`` would start the answer mid-token. The prompt ends with the name, where both
+    tokenizers have a boundary in the source too."""
+    from turboquant.models import load_tokenizer
+    tok = load_tokenizer(name)
+    src, q = tok.encode("def repeat_kv(x: int)"), tok.encode(QUESTION.format(name="repeat_kv"))
+    k = next(k for k in range(len(src)) if tok.decode(src[:k]) == "def repeat_kv")   # a boundary after the name
+    assert q[-(k - 1):] == src[1:k]
+    assert name != "qwen2.5-coder-1.5b" or tok.decode([src[k]]) == "(x"               # the reason
 
 
 def test_the_context_is_cut_between_statements_and_the_questions_are_far_back(smol):
@@ -38,14 +52,14 @@ def test_the_context_is_cut_between_statements_and_the_questions_are_far_back(sm
     assert all(q["tokens_back"] >= 512 for q in qs)
     for q in qs:                                                           # the source really says so
         assert f"def {q['name']}({q['params']})" in ctx and ctx.count(f"def {q['name']}(") == 1
-        assert QUESTION.format(name=q["name"]).endswith(f"def {q['name']}(")
+        assert QUESTION.format(name=q["name"]).endswith(f"def {q['name']}")
     with pytest.raises(ValueError, match="ask fewer"):
         signature_questions(ctx, tok, 1000, 512)
     with pytest.raises(ValueError, match="fewer than"):
         whole_files("def f(a, b):\n    return a\n", tok, 2048)
     from turboquant.evaluation import encode_text
-    short = signature_questions(ctx, tok, 1, 512, max_tokens=14)          # answers must fit the greedy budget
-    assert all(len(encode_text(tok, q["params"] + ")")) <= 12 for q in short)
+    short = signature_questions(ctx, tok, 1, 512, max_tokens=16)          # answers must fit the greedy budget
+    assert all(len(encode_text(tok, "(" + q["params"] + ")")) <= 14 for q in short)
 
 
 def test_a_run_records_each_configuration_resumes_and_refuses_another_setup(tmp_path, monkeypatch, smol):
