@@ -118,7 +118,9 @@ def signature_questions(context: str, tokenizer, n: int, min_back: int, max_toke
         d["tokens_back"] = len(encode_text(tokenizer, context[d["offset"]:]))
     far = sorted((d for d in defs if d["tokens_back"] >= min_back), key=lambda d: -d["tokens_back"])
     if len(far) < n:
-        raise ValueError(f"only {len(far)} functions qualify at least {min_back:,} tokens back; ask fewer")
+        total = len(encode_text(tokenizer, context))
+        raise ValueError(f"only {len(far)} functions qualify at least {min_back:,} tokens back in a context of "
+                         f"{total:,} tokens; ask fewer questions, fewer tokens back or a longer context")
     pick = [far[round(i * (len(far) - 1) / (n - 1))] for i in range(n)] if n > 1 else far[:1]
     return [{k: d[k] for k in ("name", "params", "tokens_back", "file")} for d in pick]
 
