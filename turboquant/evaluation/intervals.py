@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["Interval", "resample", "increase", "ppl_increase", "mean_rate", "difference", "wilson", "as_text", "LEVEL",
+__all__ = ["Interval", "resample", "increase", "ppl_increase", "mean_rate", "difference", "wilson", "sign_test", "as_text", "LEVEL",
            "N_BOOT"]
 
 LEVEL = 0.95
@@ -180,3 +180,22 @@ def wilson(successes: int, trials: int, level: float = LEVEL) -> Interval:
     lo = 0.0 if successes == 0 else float(max(0.0, centre - half))       # exact ends, not rounding error
     hi = 1.0 if successes == trials else float(min(1.0, centre + half))
     return Interval(p, lo, hi)
+
+
+def sign_test(only_a: int, only_b: int) -> float:
+    """Exact two-sided p-value of McNemar's test for two configurations answering the same
+    questions (the long-context run): only the questions exactly one of them answers
+    right carry information, and if both were equally good the ``only_a`` of those
+    n = only_a + only_b would be Binomial(n, 1/2). p = min(1, 2·P[X ≤ min(only_a, only_b)]);
+    1.0 when n = 0. Paired, like the bootstrap above: questions both get right or both get
+    wrong drop out, so it separates configurations that two Wilson intervals side by side
+    cannot."""
+    from math import comb
+    for name, v in (("only_a", only_a), ("only_b", only_b)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    tail = sum(comb(n, i) for i in range(min(only_a, only_b) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
