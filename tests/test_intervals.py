@@ -155,7 +155,7 @@ def test_the_sign_test_on_paired_answers_has_its_exact_binomial_values():
     assert sign_test(0, 0) == 1.0 and sign_test(3, 3) == 1.0               # nothing separates them
     assert sign_test(0, 4) == sign_test(4, 0) == 2 / 16                    # 2·(1/2)^4
     assert sign_test(1, 9) == 2 * (1 + 10) / 2 ** 10
-    assert sign_test(0, 6) < 0.05 < sign_test(0, 5)                        # six one-sided disagreements are needed
+    assert sign_test(0, 6) < 0.05 < sign_test(0, 5)                        # six one-sided ones are needed
     rng = np.random.default_rng(0)                                         # under the null it rejects ≤ 5 % of the time
     draws = rng.binomial(12, 0.5, size=4000)
     assert np.mean([sign_test(int(k), 12 - int(k)) < 0.05 for k in draws]) <= 0.05

@@ -23,8 +23,8 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["Interval", "resample", "increase", "ppl_increase", "mean_rate", "difference", "wilson", "sign_test", "as_text", "LEVEL",
-           "N_BOOT"]
+__all__ = ["Interval", "resample", "increase", "ppl_increase", "mean_rate", "difference", "wilson", "sign_test",
+           "as_text", "LEVEL", "N_BOOT"]
 
 LEVEL = 0.95
 N_BOOT = 2000
