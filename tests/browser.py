@@ -263,7 +263,17 @@ PAGE_CHECK_JS = r"""
     widgets.push({ok: figs.length > 0 && figs.every(i => i.complete && i.naturalWidth > 0),
                   code: src.textContent.trim().slice(0, 80)});
   }
-  return {title: document.title, math: math.length, typeset: typeset.length, raw_tex: raw,
+  // what a textbook chapter must have: captions under its figures, objectives, a summary,
+  // exercises and their solutions (sphinx-exercise admonitions)
+  const outImgs = [...document.querySelectorAll(".cell_output img")];
+  const uncaptioned = outImgs.filter(i => { const f = i.closest("figure");
+                                            return !(f && f.querySelector("figcaption")); }).length;
+  const headings = [...main.querySelectorAll("h2")].map(h => h.textContent.replace(/[#¶]/g, "").trim());
+  const structure = {uncaptioned: uncaptioned, headings: headings,
+                     objectives: /In\s+this\s+chapter\s+you\s+will/.test(main.textContent),
+                     exercises: main.querySelectorAll("div.exercise").length,
+                     solutions: main.querySelectorAll("div.solution").length};
+  return {title: document.title, math: math.length, typeset: typeset.length, raw_tex: raw, structure: structure,
           broken_images: broken, images: imgs.length, widgets: widgets,
           widget_views: document.querySelectorAll(
               'script[type="application/vnd.jupyter.widget-view+json"]').length,

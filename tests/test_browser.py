@@ -12,6 +12,7 @@ to build one. ``TURBOQUANT_BOOK_HTML`` points them at another build folder.
 """
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HTML = Path(os.environ.get("TURBOQUANT_BOOK_HTML", ROOT / "_build" / "html"))
 OUT = HTML.parent / "browser"
 PAGES = Book(HTML).pages() if (HTML / "index.html").is_file() else []
+is_chapter = re.compile(r"ch\d\d_").match          # ch01_memory_wall.html …, not cheatsheet.html
 
 pytestmark = pytest.mark.browser
 
@@ -74,11 +76,33 @@ def test_page_renders_offline(session, page):
     assert not problems, f"{page}: " + "; ".join(problems)
 
 
+def test_chapters_are_shaped_like_a_textbook(session):
+    """Every chapter opens with its objectives ("In this chapter you will"), captions every
+    figure, and closes with a summary and exercises; every exercise has a solution a reader
+    can open (sphinx-exercise's admonitions), and no figure elsewhere lacks a caption."""
+    _, _, reports = session
+    if len(reports) < len(PAGES):
+        pytest.skip("run the whole module: this test reads the reports of every page test")
+    problems = []
+    for r in reports:
+        s, name = r["structure"], Path(r["page"]).name
+        if s["uncaptioned"]:
+            problems.append(f"{name}: {s['uncaptioned']} figures without a caption")
+        if not is_chapter(name):
+            continue
+        missing = [h for h in ("Summary", "Exercises") if h not in s["headings"]]
+        if missing or not s["objectives"]:
+            problems.append(f"{name}: missing {missing + ([] if s['objectives'] else ['objectives'])}")
+        if s["exercises"] and s["solutions"] < s["exercises"]:
+            problems.append(f"{name}: {s['exercises']} exercises, {s['solutions']} solutions")
+    assert not problems, "; ".join(problems)
+
+
 def test_widget_chapters_show_their_figures(session):
     """Every chapter shows at least one widget, as its figure (from the page reports above)."""
     _, _, reports = session
-    chapters = {Path(r["page"]).stem: r for r in reports if Path(r["page"]).name.startswith("ch")}
-    if len(chapters) < sum(Path(p).name.startswith("ch") for p in PAGES):
+    chapters = {Path(r["page"]).stem: r for r in reports if is_chapter(Path(r["page"]).name)}
+    if len(chapters) < sum(bool(is_chapter(Path(p).name)) for p in PAGES):
         pytest.skip("run the whole module: this test reads the reports of every chapter's page test")
     missing = [c for c, r in sorted(chapters.items()) if not any(w["ok"] for w in r["widgets"])]
     assert not missing, f"chapters without a widget figure: {missing}"

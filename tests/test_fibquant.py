@@ -70,6 +70,10 @@ def test_refinement_never_worse_than_its_initialization():
     for k, n in ((2, 8), (4, 16), (16, 8)):
         cb = fq.fibquant_codebook(D, k, n, use_disk=False)
         assert cb.mse <= cb.init_mse
+        assert cb.start_label == ("spiral (unrefined)" if cb.start < 0 else "Lloyd from the spiral" if cb.start == 0
+                                  else f"Lloyd from k-means++ seed {cb.start}")
+    labels = {fq.VectorCodebook(np.zeros((1, 2)), 0.0, 0.0, 8, 0, s).start_label for s in (-1, 0, 2)}
+    assert labels == {"spiral (unrefined)", "Lloyd from the spiral", "Lloyd from k-means++ seed 2"}
 
 
 def test_codebook_is_deterministic_and_disk_cached(tmp_path, monkeypatch):

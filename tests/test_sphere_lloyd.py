@@ -36,6 +36,20 @@ def test_block_law_integrates_to_one_and_samples_match():
     assert np.quantile(r2u, 0.9) == pytest.approx(np.quantile(r2w, 0.9), rel=0.03)
 
 
+@pytest.mark.parametrize("dim,k", [(64, 2), (64, 4), (16, 3)])
+def test_block_radius_summary_matches_samples(dim, k):
+    s = sphere.block_radius_summary(dim, k)
+    r = np.linalg.norm(sphere.sample_block(200_000, dim, k, seed=3), axis=1)
+    assert s["rms"] == pytest.approx(np.sqrt(np.mean(r**2)), rel=5e-3)
+    assert s["median"] == pytest.approx(np.median(r), rel=5e-3)
+    hist, edges = np.histogram(r, bins=200, range=(0, 0.6 if dim == 64 else 1))
+    peak = edges[np.argmax(hist)]                      # the histogram's tallest bin: the mode
+    assert abs(peak - s["mode"]) < 0.02
+    assert s["mode"] < s["median"] < s["rms"]          # the three differ: say which one is meant
+    with pytest.raises(ValueError, match="block size k"):
+        sphere.block_radius_summary(dim, dim)
+
+
 def test_gaussian_limit():
     x = np.linspace(-0.3, 0.3, 7)
     err = np.abs(sphere.coordinate_pdf(x, 4096) - sphere.gaussian_limit_pdf(x, 4096)).max()

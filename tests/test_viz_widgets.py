@@ -225,3 +225,46 @@ def test_window_increases_plot_one_line_per_configuration_at_each_windows_increa
     want = 100 * (np.exp((np.array([302.0, 312.0, 150.5]) - ref) / n) - 1)   # seeds averaged first
     assert np.allclose(line.get_ydata(), want)
     plt.close(fig)
+
+
+def test_a_family_keeps_its_colour_whichever_families_a_figure_shows():
+    from turboquant.viz.realmodel import plot_ppl_frontier
+    def colour_of(rows, family):
+        fig = plot_ppl_frontier(rows)
+        handles, labels = fig.axes[0].get_legend_handles_labels()
+        colour = tuple(handles[labels.index(family)].get_facecolor()[0])
+        plt.close(fig)
+        return colour
+    kivi = ("KIVI 4", "KIVI-style", 4.75, 10.0, 1.4)
+    both = [kivi, ("TQ-mse 4", "TurboQuant_mse", 4.25, 10.0, 4.3)]
+    assert colour_of([kivi], "KIVI-style") == colour_of(both, "KIVI-style")
+    assert colour_of(both, "KIVI-style") != colour_of(both, "TurboQuant_mse")
+
+
+def test_book_diagrams_match_the_table_of_contents():
+    """The chapter map's chapters are the book's chapters, every reading path and dependency
+    names one of them, and a dependency points backwards."""
+    from turboquant.viz.diagrams import CHAPTERS, DEPENDS, READING_PATHS, plot_chapter_map, plot_nibble_lookup, \
+        plot_pipeline, plot_polar_tree
+    toc = (Path(__file__).resolve().parents[1] / "_toc.yml").read_text()
+    stems = {stem for _, stem in CHAPTERS.values()}
+    import re
+    assert stems == set(re.findall(r"file: book/(ch\d\d_\w+)", toc))
+    assert set(DEPENDS) == set(CHAPTERS)
+    assert all(d < c for c, deps in DEPENDS.items() for d in deps)
+    assert all(set(p) <= set(CHAPTERS) for p in READING_PATHS.values())
+    for fig in (plot_chapter_map(), plot_pipeline(), plot_polar_tree(16)):
+        assert fig.axes and fig.get_size_inches()[0] > 5
+        plt.close(fig)
+    with pytest.raises(ValueError, match="dim = 4, 8 or 16"):
+        plot_polar_tree(12)
+    # the nibble figure draws the package's own packing: byte j holds indices 2j (low), 2j + 1 (high)
+    import mlx.core as mx
+    from turboquant.packing import pack
+    idx = (10, 3, 1, 15, 7, 0, 4, 12)
+    fig = plot_nibble_lookup(idx)
+    shown = [t.get_text() for t in fig.axes[0].texts if t.get_text().startswith("0x")]
+    assert shown == [f"0x{b:02X}" for b in pack(mx.array(idx), 4).tolist()]
+    plt.close(fig)
+    with pytest.raises(ValueError, match="4-bit indices"):
+        plot_nibble_lookup((16, 1))

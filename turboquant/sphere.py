@@ -22,7 +22,7 @@ from .checks import check_int
 
 __all__ = ["coordinate_pdf", "coordinate_cdf", "coordinate_ppf", "gaussian_limit_pdf",
            "coordinate_moment", "block_pdf", "sample_sphere", "unit_vectors", "sample_block",
-           "block_radius_sq_mean"]
+           "block_radius_sq_mean", "block_radius_summary"]
 
 
 def _check_block(dim: int, k) -> int:
@@ -91,6 +91,18 @@ def block_pdf(u, dim: int, k: int):
 def block_radius_sq_mean(dim: int, k: int) -> float:
     """E‖u‖² = k/D for a k-block (‖u‖² ~ Beta(k/2, (D−k)/2))."""
     return _check_block(check_int("dim", dim, 2), k) / dim
+
+
+def block_radius_summary(dim: int, k: int) -> dict:
+    """Three "typical" radii ‖u‖ of a k-block, which differ: the root-mean-square
+    √(k/D), the median √(Beta(k/2, (D−k)/2) quantile ½), and the mode of the radius's
+    density ∝ r^(k−1) (1 − r²)^((D−k−2)/2), √((k−1)/(D−3)) (0 for k = 1, where the
+    density of the absolute value is largest at 0). Requires D ≥ 3 and k < D."""
+    dim = check_int("dim", dim, 3)
+    k = check_int("block size k", k, 1, dim - 1)
+    return {"rms": float(np.sqrt(k / dim)),
+            "median": float(np.sqrt(special.betaincinv(k / 2, (dim - k) / 2, 0.5))),
+            "mode": float(np.sqrt((k - 1) / (dim - 3)))}
 
 
 def sample_sphere(n: int, dim: int, seed: int = 0) -> np.ndarray:

@@ -64,6 +64,14 @@ class VectorCodebook:
     seconds: float = 0.0
 
     @property
+    def start_label(self) -> str:
+        """The winning start named for a reader ("spiral (unrefined)", "Lloyd from the
+        spiral" or "Lloyd from k-means++ seed r")."""
+        if self.start < 0:
+            return "spiral (unrefined)"
+        return "Lloyd from the spiral" if self.start == 0 else f"Lloyd from k-means++ seed {self.start}"
+
+    @property
     def k(self) -> int:
         return self.codewords.shape[1]
 

@@ -4,6 +4,7 @@ Every widget wraps a pure ``plot_*`` function that returns a matplotlib figure.
 """
 from .bitaxon import plot_swa_budget, plot_window_memory
 from .cache import best_within, lower_edge, plot_cache_tradeoff
+from .diagrams import plot_chapter_map, plot_nibble_lookup, plot_pipeline, plot_polar_tree
 from .calibrated import plot_allocation, plot_budget_choice, plot_spectra
 from .fibquant import plot_fibquant_codebook, plot_frontier, plot_radius_law
 from .inner import plot_qjl_estimates, qjl_estimates
@@ -24,4 +25,5 @@ __all__ = ["COLORS", "GB", "MB", "below", "figure", "interact", "table", "plot_k
            "plot_ppl_frontier", "plot_needle_grid", "plot_key_channels", "plot_layer_heatmap", "plot_sink_mass", "plot_window_increases",
            "plot_spectra", "plot_allocation",
            "plot_budget_choice", "plot_step_bytes", "plot_roofline", "plot_decode_speedups",
-           "plot_window_memory", "plot_cache_tradeoff", "best_within", "lower_edge"]
+           "plot_window_memory", "plot_cache_tradeoff", "best_within", "lower_edge",
+           "plot_pipeline", "plot_chapter_map", "plot_polar_tree", "plot_nibble_lookup"]

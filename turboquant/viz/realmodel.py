@@ -10,19 +10,29 @@ from .style import COLORS, figure
 FAMILY_COLORS = COLORS + ["#e377c2", "#bcbd22", "#393b79", "#ad494a", "#637939", "#843c39"]
 
 
+def family_index(family: str) -> int:
+    """A family's fixed place among every family of ``suite.CONFIGS`` (sorted), so that one
+    family keeps its colour and marker in every figure, whichever families a figure shows.
+    A family the suite does not know goes after them, in a place fixed by its name."""
+    from ..suite import CONFIGS
+    known = sorted({c.family for c in CONFIGS.values()} - {"reference"})
+    return known.index(family) if family in known else len(known) + sum(map(ord, family)) % 8
+
+
 def plot_ppl_frontier(rows, title: str = "", budget: float | None = None, intervals: dict | None = None,
                       goals: dict | None = None):
     """Perplexity increase (%) against bits per coordinate (side information included);
     ``rows`` = [(name, family, bits, ppl, increase %)] as ``suite.frontier_rows`` returns.
-    One colour per family (distinct up to 14 families). ``intervals`` maps a name to the
+    One colour and marker per family, the same in every figure (``family_index``). ``intervals`` maps a name to the
     (lo, hi) 95 % interval of its increase (``suite.intervals_of``): drawn as error bars.
     ``goals`` maps a budget in bits to the largest increase allowed within it
     (``budget.GOALS``): drawn as labelled steps. The y axis is linear within ±1 % and
     logarithmic beyond, so negative changes show. With ``budget``, a line at that many bits
     and the best configuration within it circled and named in the title."""
     fig, ax = figure(width=7.0, height=5.0)
-    fams = sorted({r[1] for r in rows if r[1] != "reference"})
-    for i, fam in enumerate(fams):
+    fams = sorted({r[1] for r in rows if r[1] != "reference"}, key=family_index)
+    for fam in fams:
+        i = family_index(fam)
         mine = [r for r in rows if r[1] == fam]
         x = [r[2] for r in mine]
         y = [r[4] for r in mine]
