@@ -268,12 +268,21 @@ PAGE_CHECK_JS = r"""
   const outImgs = [...document.querySelectorAll(".cell_output img")];
   const uncaptioned = outImgs.filter(i => { const f = i.closest("figure");
                                             return !(f && f.querySelector("figcaption")); }).length;
-  const headings = [...main.querySelectorAll("h2")].map(h => h.textContent.replace(/[#¶]/g, "").trim());
+  const headings = [...main.querySelectorAll("h2")]   // "9.8. Summary" -> "Summary"
+      .map(h => h.textContent.replace(/[#¶]/g, "").trim().replace(/^[\d.]+\s+/, ""));
   const structure = {uncaptioned: uncaptioned, headings: headings,
                      objectives: /In\s+this\s+chapter\s+you\s+will/.test(main.textContent),
                      exercises: main.querySelectorAll("div.exercise").length,
                      solutions: main.querySelectorAll("div.solution").length};
+  // what scrolls sideways in the reading column: code (cells and listings) and printed
+  // output (a reader at a 1,200-px window would have to scroll to see it); code folded away
+  // is not measured. Result tables are HTML tables in the theme's own scrolling container.
+  const sideways = [...main.querySelectorAll("pre")]
+      .filter(e => e.offsetParent !== null && !e.closest("details:not([open])")
+                   && e.scrollWidth > e.clientWidth + 2)
+      .map(e => e.textContent.trim().slice(0, 60));
   return {title: document.title, math: math.length, typeset: typeset.length, raw_tex: raw, structure: structure,
+          sideways: sideways,
           broken_images: broken, images: imgs.length, widgets: widgets,
           widget_views: document.querySelectorAll(
               'script[type="application/vnd.jupyter.widget-view+json"]').length,

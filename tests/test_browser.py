@@ -2,8 +2,9 @@
 
 Every page of ``_build/html`` is loaded in headless Chromium with the network blocked
 (``tests/browser.py``) and must show: every equation typeset by MathJax and no raw TeX in
-the visible text, every image decoded, every widget cell with its static figure, no console
-errors, no failed and no external requests. Screenshots and a JSON report go to
+the visible text, every image decoded, every widget cell with its static figure, no code
+or printed output wider than the reading column at a 1,200-px window, no console errors, no
+failed and no external requests. Screenshots and a JSON report go to
 ``_build/browser/`` (git-ignored) for a person to look at.
 
 ``make test`` runs this after the ``-W`` book build. Where Chromium is missing the tests skip
@@ -68,6 +69,9 @@ def test_page_renders_offline(session, page):
         problems.append(f"raw TeX in the visible text: {r['raw_tex']}")
     if r["broken_images"]:
         problems.append(f"images that did not decode: {r['broken_images']}")
+    if r["sideways"]:
+        problems.append(f"{len(r['sideways'])} code cells or outputs wider than the "
+                        f"column (they scroll sideways): {r['sideways'][:3]}")
     bad_widgets = [w["code"] for w in r["widgets"] if not w["ok"]]
     if bad_widgets:
         problems.append(f"widget cells without a figure: {bad_widgets}")

@@ -268,3 +268,21 @@ def test_book_diagrams_match_the_table_of_contents():
     plt.close(fig)
     with pytest.raises(ValueError, match="4-bit indices"):
         plot_nibble_lookup((16, 1))
+
+
+def test_a_table_prints_as_columns_and_displays_as_an_html_table():
+    from IPython.lib.pretty import pretty
+    from turboquant.viz import table
+    t = table([("a|b", 1.5, 3, True), ("x_y <1", 2.0, 4000, False)], ["name", "v", "n", "ok"])
+    text = ("  name    v      n     ok\n"
+            "------  ---  -----  -----\n"
+            "   a|b  1.5      3   True\n"
+            "x_y <1    2  4,000  False")
+    assert t == text and str(t) == text and pretty(t) == text   # print / CLI / text/plain
+    md = t._repr_markdown_().split("\n")
+    assert md[1] == "|:---|---:|---:|:---|"                      # numbers right, bools/text left
+    assert md[2] == r"| a\|b | 1.5 | 3 | True |"                 # a '|' in a cell stays one cell
+    assert md[3] == r"| x\_y \<1 | 2 | 4,000 | False |"
+    assert table([("", 1)], ["gap", "x"])._repr_markdown_().split("\n")[2] == "| \u00a0 | 1 |"
+    with pytest.raises(ValueError, match="row 1 has 1 cells, the headers 2"):
+        table([(1, 2), (3,)], ["a", "b"])

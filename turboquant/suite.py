@@ -516,13 +516,15 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
 
 def frontier_rows(result: dict) -> list[tuple]:
     """(name, family, bits, ppl, increase %) sorted by bits, for tables and the frontier plot.
-    mlx-lm's affine rows take their measured bits: runs recorded before ``MlxQuantized.bits``
-    counted its float32 scales and biases carry 0.5 bits per coordinate too few (4.5 for 5.0),
-    and its measured bits have no per-context part to overstate them."""
+    mlx-lm's affine rows take the suite's current ``MlxQuantized.bits`` (5.0 at 4 bits):
+    runs recorded before it counted the float32 scales and biases carry 0.5 bits per
+    coordinate too few (4.5), and their measured bits can hold mlx-lm's 256-token allocation
+    steps as well (513 tokens in 768 slots: 7.49 bits), which is not the codes' rate."""
     rows = []
     for name, r in result["results"].items():
         inc = r.get("ppl_increase")
-        bits = r.get("measured_bits", r["bits"]) if r["family"] == "mlx-lm affine" else r["bits"]
+        cfg = CONFIGS.get(name)
+        bits = cfg.bits(None) if isinstance(cfg, MlxQuantized) else r["bits"]
         rows.append((name, r["family"], bits, r["ppl"],
                      float("nan") if inc is None else 100 * inc))
     return sorted(rows, key=lambda t: (t[2], t[3] if not math.isnan(t[3]) else 0))

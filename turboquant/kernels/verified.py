@@ -11,7 +11,7 @@ VERIFIED = {
            "mx reference (tests/test_kernels.py, Chapter 11)",
     "cuda": "the CUDA translation unit in mlx 0.32's generated layout compiled with nvcc 13 "
             "for sm_90 (tests/test_kernels.py, with a stand-in for mlx's device header; once by "
-            "hand with the headers of the mlx-cuda-13 0.32.4 wheel); not yet run on an NVIDIA "
+            "hand with the headers of the mlx-cuda-13 0.32.4 wheel); not run on an NVIDIA "
             "GPU",
-    "metal": "not yet compiled or run: it needs an Apple GPU and the Metal compiler",
+    "metal": "not compiled or run here: it needs an Apple GPU and the Metal compiler",
 }

@@ -15,9 +15,9 @@ from .realmodel import (plot_key_channels, plot_layer_heatmap, plot_needle_grid,
                         plot_window_increases)
 from .scalar import plot_codebook, plot_rate_distortion
 from .sphere import plot_block_law, plot_coordinate_law, plot_rotation_effect
-from .style import COLORS, GB, MB, below, figure, interact, table
+from .style import COLORS, GB, MB, Table, below, figure, interact, table
 
-__all__ = ["COLORS", "GB", "MB", "below", "figure", "interact", "table", "plot_kv_memory",
+__all__ = ["COLORS", "GB", "MB", "Table", "below", "figure", "interact", "table", "plot_kv_memory",
            "plot_kv_calculator", "MACBOOK_AIR_BYTES",
            "plot_rotation_effect", "plot_coordinate_law", "plot_block_law", "plot_codebook",
            "plot_rate_distortion", "plot_qjl_estimates", "qjl_estimates", "plot_polar_angles",

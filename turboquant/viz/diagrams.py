@@ -12,10 +12,10 @@ CHAPTERS = {
     1: ("The memory wall", "ch01_memory_wall"),
     2: ("Rotations", "ch02_rotations"),
     3: ("Lloyd–Max", "ch03_lloyd_max"),
-    4: ("QJL, inner products", "ch04_qjl"),
+    4: ("QJL", "ch04_qjl"),
     5: ("PolarQuant", "ch05_polarquant"),
     6: ("FibQuant", "ch06_fibquant"),
-    7: ("A KV cache in MLX", "ch07_kv_cache"),
+    7: ("KV cache in MLX", "ch07_kv_cache"),
     8: ("Bit-Axon's window", "ch08_bitaxon"),
     9: ("Real models", "ch09_real_models"),
     10: ("Beyond the paper", "ch10_beyond_the_paper"),
@@ -25,12 +25,12 @@ CHAPTERS = {
 
 # chapter -> the chapters whose results it uses (read those first)
 DEPENDS = {
-    1: (), 2: (), 3: (2,), 4: (3,), 5: (2, 3), 6: (2, 3), 7: (1, 3), 8: (7,), 9: (7,),
-    10: (9,), 11: (1, 7), 12: (9, 10),
+    1: (), 2: (1,), 3: (2,), 4: (3,), 5: (2, 3), 6: (2, 3), 7: (1, 3), 8: (7,), 9: (7, 8),
+    10: (9,), 11: (1, 7, 9, 10), 12: (2, 9, 10, 11),
 }
 
 READING_PATHS = {
-    "theory": (2, 3, 4, 5, 6),
+    "theory": (1, 2, 3, 4, 5, 6),      # chapter 1 for its primer (attention, the cache)
     "systems": (1, 7, 8, 11),
     "practitioner": (1, 3, 7, 9, 10, 12),
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-__all__ = ["COLORS", "figure", "interact", "table", "GB", "MB"]
+__all__ = ["COLORS", "figure", "interact", "table", "Table", "below", "GB", "MB"]
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f"]
 MB = 1e6
@@ -111,8 +111,51 @@ def below(value: float, bound: float = 1e-6) -> str:
     return f"< {bound:.0e}" if abs(value) < bound else f"{value:.2g}"
 
 
-def table(rows, headers, floatfmt: str = ".4g") -> str:
-    """A plain-text table (monospace columns) for printing measured results."""
+class Table(str):
+    """A measured-results table: the plain-text columns (it *is* that string, so ``print``,
+    f-strings and the CLI see monospace columns) that a notebook renders as an HTML table
+    (``display(table(...))`` or a cell's last expression: ``_repr_markdown_``).
+
+    ``rows`` are the formatted cells (lists of str), ``headers`` the column names and
+    ``numeric`` which columns hold only numbers (right-aligned in both renderings)."""
+
+    def __new__(cls, text: str, headers, rows, numeric):
+        self = super().__new__(cls, text)
+        self.headers, self.rows, self.numeric = list(headers), [list(r) for r in rows], list(numeric)
+        return self
+
+    def _repr_pretty_(self, p, cycle):            # text/plain: the columns, not a quoted repr
+        p.text(str(self))
+
+    def _repr_markdown_(self) -> str:
+        line = lambda cells: "| " + " | ".join(_md_cell(c) for c in cells) + " |"
+        rule = "|" + "|".join("---:" if n else ":---" for n in self.numeric) + "|"
+        return "\n".join([line(self.headers), rule, *map(line, self.rows)])
+
+
+_MD_SPECIAL = str.maketrans({c: "\\" + c for c in "\\|*_[]<>`#"})
+
+
+def _md_cell(text: str) -> str:
+    """One table cell as Markdown source that renders as the literal text (an empty cell as
+    a non-breaking space, so the row keeps its shape)."""
+    text = str(text).replace("\n", " ").translate(_MD_SPECIAL)
+    return text if text.strip() else "\u00a0"
+
+
+def table(rows, headers, floatfmt: str = ".4g") -> Table:
+    """Measured results as a :class:`Table`: printed, monospace columns; displayed in a
+    notebook, an HTML table (so a wide table wraps to the page instead of scrolling).
+
+    ``rows``: sequences of cells, one per header; floats are formatted with ``floatfmt``,
+    ints with thousands separators, bools and everything else with ``str``."""
+    headers = [str(h) for h in headers]
+    rows = [tuple(r) for r in rows]
+    bad = [i for i, r in enumerate(rows) if len(r) != len(headers)]
+    if bad:
+        raise ValueError(f"row {bad[0]} has {len(rows[bad[0]])} cells, the headers "
+                         f"{len(headers)} ({headers})")
+
     def fmt(v):
         if isinstance(v, bool):
             return str(v)
@@ -122,6 +165,9 @@ def table(rows, headers, floatfmt: str = ".4g") -> str:
             return f"{v:,}"
         return str(v)
     cells = [[fmt(v) for v in r] for r in rows]
+    numeric = [bool(rows) and all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool)
+                                  for r in rows) for i in range(len(headers))]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
     line = lambda r: "  ".join(s.rjust(w) for s, w in zip(r, widths))
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
+    text = "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
+    return Table(text, headers, cells, numeric)
