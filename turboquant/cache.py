@@ -18,37 +18,19 @@ to its affine quantized attention.
 """
 from __future__ import annotations
 
-import contextvars
 import json
-from contextlib import contextmanager
 from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from .cache_base import CacheBase, protocol_mask
+from .cache_base import CacheBase, codes_mode, protocol_mask, returning_codes
 from .checks import check_int
 from .codecs.base import Codec
 from .codes import CodeBuffer, CodesView
 
 __all__ = ["CodeBuffer", "CodesView", "TurboQuantKVCache", "TurboQuantRotatingKVCache", "tag_group", "codes_mode",
            "returning_codes"]
-
-# Set by turboquant.attention.codes_attention: caches then return CodesView, not K/V. A depth
-# count, not a flag, so blocks may exit in any order.
-codes_mode: contextvars.ContextVar[int] = contextvars.ContextVar("turboquant_codes_mode", default=0)
-
-
-@contextmanager
-def returning_codes():
-    """Inside the block, caches' ``update_and_fetch`` returns ``CodesView`` objects (codes
-    for attention from codes), not dequantized K and V."""
-    codes_mode.set(codes_mode.get() + 1)
-    try:
-        yield
-    finally:
-        codes_mode.set(max(0, codes_mode.get() - 1))
-
 
 def _append(old: Optional[mx.array], new: mx.array) -> mx.array:
     """Concatenate along the token axis (2), ``old`` possibly None."""
@@ -519,6 +501,13 @@ class TurboQuantKVCache(CacheBase):
         obj.meta_state = meta_state
         obj.state = state
         return obj
+
+    def merge(self, caches):
+        """One batch cache (``turboquant.batch.BatchCodesCache``) from one cache of this kind
+        per sequence, as mlx-lm's batching calls it (``caches[0].merge(caches)``): their codes
+        copied, never re-encoded."""
+        from .batch import BatchCodesCache
+        return BatchCodesCache.merge(caches)
 
     def __deepcopy__(self, memo):
         """An independent copy: arrays copied, codecs rebuilt from their configurations

@@ -11,11 +11,28 @@ masks as mlx-lm's ``KVCache`` does — so a cache class writes only what differs
 """
 from __future__ import annotations
 
+import contextvars
+from contextlib import contextmanager
 from typing import Optional
 
 from mlx_lm.models.base import create_causal_mask
 
-__all__ = ["CacheBase", "protocol_mask"]
+__all__ = ["CacheBase", "protocol_mask", "codes_mode", "returning_codes"]
+
+# Set by turboquant.attention.codes_attention: caches then return CodesView, not K/V. A depth
+# count, not a flag, so blocks may exit in any order.
+codes_mode: contextvars.ContextVar[int] = contextvars.ContextVar("turboquant_codes_mode", default=0)
+
+
+@contextmanager
+def returning_codes():
+    """Inside the block, caches' ``update_and_fetch`` returns ``CodesView`` objects (codes
+    for attention from codes), not dequantized K and V."""
+    codes_mode.set(codes_mode.get() + 1)
+    try:
+        yield
+    finally:
+        codes_mode.set(max(0, codes_mode.get() - 1))
 
 
 def protocol_mask(N: int, offset: int, return_array: bool = False, window_size: Optional[int] = None):

@@ -1,0 +1,180 @@
+"""Batched generation on compressed caches (issue #31): ``BatchCodesCache`` through
+``mlx_lm.batch_generate`` equals one sequence at a time through the same caches; merge and
+extract copy codes exactly; bad use is refused."""
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import batch_generate
+from mlx_lm.generate import generate_step
+
+from turboquant import make_prompt_cache
+from turboquant.attention import codes_attention
+from turboquant.batch import BatchCodesCache
+from turboquant.cache import TurboQuantKVCache, TurboQuantRotatingKVCache
+from turboquant.codecs.spec import codec_pair
+from turboquant.models import load
+
+PROMPTS = ["The capital of France is",
+           'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+           "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
+N_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return load("gemma3-270m")
+
+
+def alone(model, prompt, cache, n=N_NEW, step=256):
+    """Greedy tokens of one sequence through ``cache`` (mlx-lm's own single-sequence loop)."""
+    gen = generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=n, prefill_step_size=step)
+    return [int(t) for (t, _), _ in zip(gen, range(n))]
+
+
+def batched(model, tok, prompts, make, n=N_NEW, step=256, **kw):
+    return batch_generate(model, tok, prompts, max_tokens=n, prompt_caches=[make() for _ in prompts],
+                          return_prompt_caches=True, verbose=False, prefill_step_size=step, **kw)
+
+
+def check_equal(model, tok, prompts, make, n=N_NEW, step=256, **kw):
+    r = batched(model, tok, prompts, make, n=n, step=step, **kw)
+    for i, p in enumerate(prompts):
+        single = alone(model, p, make(), n=n, step=step)
+        assert tok.decode(single) == r.texts[i], f"prompt {i}: alone {tok.decode(single)!r}, batched {r.texts[i]!r}"
+    return r
+
+
+def small_ring(model, size=12):
+    kc, vc = codec_pair(None, None, 64)
+    return [TurboQuantRotatingKVCache(size, kc, vc) for _ in model.layers]
+
+
+def test_budget_cache_batched_equals_alone(smol):
+    # 4.25 bits: centered keys (a mean learnt per sequence from its first tokens) and an exact sink
+    model, tok = smol
+    ids = [tok.encode(p) for p in PROMPTS]
+    r = check_equal(model, tok, ids, lambda: make_prompt_cache(model, bits=4.25))
+    # what comes back is each sequence's own cache, holding the prompt and the generated tokens
+    # (as mlx-lm's own caches do after batch_generate)
+    for i, p in enumerate(ids):
+        assert all(isinstance(c, TurboQuantKVCache) for c in r.caches[i])
+        assert r.caches[i][0].offset == len(p) + N_NEW
+
+
+def test_continuous_batching_extends_and_filters(smol):
+    # prefill two at a time: the third sequence joins a running batch (extend), finished ones leave (filter)
+    model, tok = smol
+    ids = [tok.encode(p) for p in PROMPTS]
+    check_equal(model, tok, ids, lambda: make_prompt_cache(model, bits=3.25), prefill_batch_size=2,
+                completion_batch_size=2)
+
+
+def test_sliding_window_that_wraps(smol):
+    # a 12-token ring on every layer: the prompts are longer, so rows evict by position and the
+    # window mask does the work; prompts of different lengths are right-padded during prefill
+    model, tok = smol
+    ids = [tok.encode(p) for p in PROMPTS]
+    check_equal(model, tok, ids, lambda: small_ring(model), step=8)
+
+
+def test_exact_recent_window_and_calibrated_profile(smol):
+    model, tok = smol
+    ids = [tok.encode(p) for p in PROMPTS[1:]]
+    check_equal(model, tok, ids, lambda: make_prompt_cache(model, key_codec=None, fp_window=8, sink_tokens=2))
+    check_equal(model, tok, ids, lambda: make_prompt_cache(model, bits=4.25, profile=True))
+
+
+def test_gemma_sliding_layers_past_the_window(gemma):
+    # 15 of 18 layers are 512-token sliding windows; prompts of 560–700 tokens in 256-token chunks
+    model, tok = gemma
+    text = tok.encode(open(__file__.replace("test_batch.py", "../turboquant/cache.py")).read())
+    ids = [text[:700], text[50:560]]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        check_equal(model, tok, ids, lambda: make_prompt_cache(model, bits=4.25), n=6)
+
+
+def test_merge_and_extract_copy_codes_bit_for_bit(smol):
+    model, tok = smol
+    caches = []
+    for p in PROMPTS:
+        c = make_prompt_cache(model, bits=4.25)
+        model(mx.array(tok.encode(p))[None], cache=c)
+        caches.append(c)
+    before = [copy.deepcopy(c[3]) for c in caches]
+    batch = caches[0][3].merge([c[3] for c in caches])
+    assert isinstance(batch, BatchCodesCache) and len(batch) == 3
+    assert batch.nbytes == sum(copy.deepcopy(c[3]).nbytes for c in caches)   # the held tokens, no spare slots
+    for i, c in enumerate(caches):
+        out = batch.extract(i)
+        for a, b in ((out.key_codes, c[3].key_codes), (out.value_codes, c[3].value_codes)):
+            for name in a.fields:
+                assert np.array_equal(np.array(a.fields[name][..., :c[3].offset, :]),
+                                      np.array(b.fields[name][..., :c[3].offset, :]))
+        assert np.array_equal(np.array(out.sink_keys), np.array(c[3].sink_keys))
+        assert out.offset == c[3].offset and out.key_codec.config() == c[3].key_codec.config()
+    # the batch runs a step; the caches it was merged from do not change
+    k = mx.random.normal((3, 3, 1, 64), key=mx.random.key(0))
+    batch.update_and_fetch(k, k)
+    assert [r.offset for r in batch.rows] == [c[3].offset + 1 for c in caches]
+    for b, c in zip(before, caches):
+        assert c[3].offset == b.offset
+        assert np.array_equal(np.array(c[3].keys), np.array(b.keys))
+
+
+def test_left_padding_matches_the_unpadded_logits(smol):
+    model, tok = smol
+    a, b = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[2])
+    pad = len(b) - len(a)
+    cache = [c.merge([c, cc]) for c, cc in zip(make_prompt_cache(model, bits=4.25), make_prompt_cache(model, bits=4.25))]
+    for c in cache:
+        c.prepare(left_padding=[pad, 0])
+    logits = model(mx.array([[0] * pad + a, b]), cache=cache)[:, -1]
+    nxt = mx.argmax(logits, axis=-1)
+    step = model(nxt[:, None], cache=cache)[:, -1]      # a decode step: positions must continue right
+    for row, p in ((0, a), (1, b)):
+        alone = make_prompt_cache(model, bits=4.25)
+        ref = model(mx.array(p)[None], cache=alone)[0, -1]
+        assert float(mx.abs(logits[row] - ref).max()) < 1e-3
+        ref = model(nxt[row:row + 1, None], cache=alone)[0, -1]
+        assert float(mx.abs(step[row] - ref).max()) < 1e-3
+    assert [c.offset for c in cache[0].rows] == [len(a) + 1, len(b) + 1]   # no padding held
+
+
+def test_bad_use_is_refused(smol):
+    model, _ = smol
+    plain = make_prompt_cache(model, bits=4.25)[0]
+    ring = small_ring(model)[0]
+    with pytest.raises(TypeError, match="single kind"):
+        BatchCodesCache([plain, ring])
+    with pytest.raises(TypeError, match="single kind"):
+        BatchCodesCache([])
+    kc, vc = codec_pair(None, None, 64)
+    with pytest.raises(ValueError, match="keep > 0"):
+        BatchCodesCache([TurboQuantRotatingKVCache(16, kc, vc, keep=4)])
+    with pytest.raises(ValueError, match="same max_size"):
+        BatchCodesCache([TurboQuantRotatingKVCache(16, kc, vc), TurboQuantRotatingKVCache(8, kc, vc)])
+    batch = BatchCodesCache.merge([plain, plain])
+    k = mx.zeros((2, 3, 2, 64))
+    with pytest.raises(ValueError, match=r"B=2"):
+        batch.update_and_fetch(k[:1], k[:1])
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        batch.prepare(left_padding=[1])
+    with pytest.raises(ValueError, match="non-negative"):
+        batch.prepare(left_padding=[-1, 0])
+    batch.update_and_fetch(k, k)
+    with pytest.raises(ValueError, match="empty"):
+        batch.prepare(left_padding=[1, 0])
+    with pytest.raises(ValueError, match="out of range"):
+        batch.filter([2])
+    with pytest.raises(ValueError, match="codes_attention"):
+        with codes_attention(model):
+            batch.update_and_fetch(k, k)
