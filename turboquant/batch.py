@@ -38,11 +38,28 @@ from mlx_lm.models.base import create_causal_mask
 from .cache_base import CacheBase, codes_mode
 from .codes import CodesView
 
-__all__ = ["BatchCodesCache"]
+__all__ = ["BatchCodesCache", "batch_drift"]
 
 # the caches a batch holds, one per sequence (``turboquant.cache``; named, not imported: that
 # module imports this one for ``merge``)
 _ROW_KINDS = ("TurboQuantKVCache", "TurboQuantRotatingKVCache")
+
+
+def batch_drift(model, prompts: Sequence[Sequence[int]]) -> float:
+    """max |Δlogit| between each prompt (token ids) run alone and the prompts right-padded
+    into one batch, without any cache (causal mask: real positions never see the padding).
+
+    0.0 where the machine's BLAS computes a row bit for bit the same in a batch as alone
+    (the CPU the book was built on). Batched greedy text through a compressed cache can
+    equal one-at-a-time text exactly only then: a rounding-level change of one key can move
+    a coordinate across a quantization level boundary, and that flipped code is a real
+    change that grows through the layers (Chapter 7)."""
+    prompts = [list(p) for p in prompts]
+    if not prompts or not all(prompts):
+        raise ValueError("batch_drift needs one or more non-empty prompts")
+    n = max(len(p) for p in prompts)
+    both = model(mx.array([p + [0] * (n - len(p)) for p in prompts]))
+    return max(float(mx.abs(both[i, :len(p)] - model(mx.array(p)[None])[0]).max()) for i, p in enumerate(prompts))
 
 
 def _ints(name: str, xs, n: Optional[int] = None) -> list[int]:

@@ -462,6 +462,41 @@ def _bench_generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import shlex
+    from .generate import DEFAULT_BITS, cache_options
+    from .serve import serve
+    if args.max_kv_size is not None:
+        args.parser.error("argument --max-kv-size: its rotating caches keep 4 leading tokens, which are not "
+                          "batched; serve windows through the model's own sliding layers")
+    if args.profile is not None and (args.key_bits or args.value_bits or args.codec):
+        args.parser.error("argument --profile: it chooses the configuration for --bits, not for "
+                          "--key-bits/--value-bits/--codec")
+    if args.profile is not None and args.bits is None:
+        args.bits = DEFAULT_BITS
+    try:
+        options = cache_options(args.bits, args.key_bits, args.value_bits, args.codec)
+    except ValueError as e:
+        args.parser.error(str(e))
+    options.pop("max_kv_size", None)
+    if args.profile is not None:
+        options["profile"] = args.profile
+    mlx = ["--host", args.host, "--port", str(args.port), "--log-level", args.log_level,
+           "--decode-concurrency", str(args.decode_concurrency), "--prompt-concurrency", str(args.prompt_concurrency),
+           "--prefill-step-size", str(args.prefill_step_size), "--max-tokens", str(args.max_tokens),
+           "--prompt-cache-size", str(args.prompt_cache_size)]
+    if args.prompt_cache_bytes is not None:
+        mlx += ["--prompt-cache-bytes", args.prompt_cache_bytes]
+    try:
+        mlx += shlex.split(args.mlx_options or "")
+    except ValueError as e:
+        args.parser.error(f"argument --mlx-options: {e}")
+    print(f"turboquant serve: {args.model} on http://{args.host}:{args.port} (OpenAI-compatible: "
+          f"/v1/chat/completions, /v1/completions), caches {options}", file=sys.stderr, flush=True)
+    serve(args.model, options, mlx)
+    return 0
+
+
 def _decode_options(parser, hidden: bool = False) -> None:
     """``bench decode``'s options (also the deprecated ``kernels --bench``'s, hidden there)."""
     h = (lambda text: argparse.SUPPRESS) if hidden else (lambda text: text)
@@ -634,8 +669,27 @@ def main(argv=None) -> int:
     bg.add_argument("--out", default=None, help="write the results as JSON here")
     bg.add_argument("--quiet", action="store_true", help="no progress lines")
     bg.set_defaults(run=_bench_generate)
+    sv = sub.add_parser("serve", help="mlx-lm's OpenAI-compatible HTTP server, batching compressed caches",
+                        description="mlx-lm's server (its HTTP API, continuous batching and prompt-cache LRU) "
+                        "with TurboQuant caches. Listens on 127.0.0.1 by default; stop it with Ctrl-C.")
+    sv.add_argument("--model", default="smollm2-135m", help=f"{names}, or the path of an mlx-lm model folder")
+    _cache_arguments(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    sv.add_argument("--port", type=_int_in(1, 65535), default=8080)
+    sv.add_argument("--prompt-cache-bytes", default=None,
+                    help="bound on the bytes of the conversations kept for reuse (e.g. 64MB; the codes' real bytes)")
+    sv.add_argument("--prompt-cache-size", type=_int_at_least(1), default=10,
+                    help="at most this many conversations kept for reuse")
+    sv.add_argument("--decode-concurrency", type=_int_at_least(1), default=32, help="sequences decoded together")
+    sv.add_argument("--prompt-concurrency", type=_int_at_least(1), default=8, help="prompts prefilled together")
+    sv.add_argument("--prefill-step-size", type=_int_at_least(1), default=2048)
+    sv.add_argument("--max-tokens", type=_int_at_least(1), default=512, help="default answer length")
+    sv.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    sv.add_argument("--mlx-options", default=None, help="further mlx_lm.server options, quoted "
+                    "(e.g. \"--temp 0.7 --chat-template-args '{}'\")")
+    sv.set_defaults(run=_serve)
     args = p.parse_args(argv)
-    args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c, "needle": nd, "longctx": lc,
+    args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c, "needle": nd, "longctx": lc, "serve": sv,
                    "bench": {"decode": bd, "generate": bg}.get(getattr(args, "what", None), b)}[args.command]
     try:
         # where results go is checked before the work that produces them

@@ -60,10 +60,8 @@ def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, 
             raise ValueError(f"--codec {json.dumps(config)}: {e}") from None
         opts["key_codec"] = lambda d: from_config(with_dim(config, d))
     elif key_bits or value_bits:
-        from .codecs.scalar import TurboQuantMSE
-        kb, vb = key_bits or value_bits, value_bits or key_bits
-        opts["key_codec"] = lambda d: TurboQuantMSE(d, kb)
-        opts["value_codec"] = lambda d: TurboQuantMSE(d, vb)
+        from .budget import codecs_for            # the one seed convention: keys seed 0, values seed 1
+        opts["key_codec"], opts["value_codec"] = codecs_for(key_bits or value_bits, value_bits or key_bits)
     elif bits is not None:
         opts["bits"] = bits
     else:

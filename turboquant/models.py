@@ -27,7 +27,7 @@ import mlx.core as mx
 from .checks import check_int
 from .paths import cache_root, require_free
 
-__all__ = ["check", "tiny_model", "ByteTokenizer", "run_in_chunks", "MODELS", "DEFAULT_NAME", "DEFAULT_MODEL", "cache_root",
+__all__ = ["check", "model_folder", "tiny_model", "ByteTokenizer", "run_in_chunks", "MODELS", "DEFAULT_NAME", "DEFAULT_MODEL", "cache_root",
            "model_gguf", "model_dir", "default_gguf", "default_model_dir", "load", "load_default", "load_tokenizer"]
 
 
@@ -290,6 +290,12 @@ def _model_folder(name_or_path, folder=None) -> Path:
         if importlib.util.find_spec(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}") is None:
             raise ValueError(f"{folder}: mlx-lm has no model type {model_type!r}")
     return folder
+
+
+def model_folder(name_or_path: str | os.PathLike = DEFAULT_NAME) -> Path:
+    """The mlx-lm folder of an installed model (converted on first use) or of a folder path
+    (checked: a ``config.json`` of a model type mlx-lm has)."""
+    return _model_folder(name_or_path)
 
 
 def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_NAME):

@@ -83,6 +83,16 @@ def _warn_rotating(cache: list, fp_window: int, sink_tokens: int) -> None:
                       "every token as codes", UserWarning, stacklevel=3)
 
 
+def _mlx_reference(model, max_kv_size: Optional[int]) -> list:
+    """mlx-lm's caches for ``model``: its own layout, even when ``turboquant.serve.install_caches``
+    has made ``model.make_cache`` return TurboQuant caches."""
+    factory = getattr(model, "make_cache", None)
+    if hasattr(factory, "mlx_layout"):
+        with factory.mlx_layout():
+            return mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
+    return mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
+
+
 def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec = None,
                       fp_window: int = 0, max_kv_size: Optional[int] = None, sink_tokens: int = 0,
                       bits: Optional[float] = None, warn_rotating: bool = True, profile=None) -> list:
@@ -127,7 +137,7 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     if bits is not None:
         key_codec, value_codec, sink_tokens = _budget(bits, dim, key_codec, value_codec, sink_tokens,
                                                       model, profile)
-    reference = mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
+    reference = _mlx_reference(model, max_kv_size)
     out = []
     for i, c in enumerate(reference):
         n = len(reference)

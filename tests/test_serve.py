@@ -1,0 +1,157 @@
+"""``turboquant serve`` (issue #31): mlx-lm's server on compressed caches, started on a free
+loopback port and stopped by the test; answers equal the same cache run in-process."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from mlx_lm import generate
+from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
+
+from turboquant import TurboQuantKVCache, TurboQuantRotatingKVCache, make_prompt_cache
+from turboquant.cli import main as cli
+from turboquant.models import load
+from turboquant.serve import batchable, install_caches
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "Name three prime numbers and explain why they are prime."]
+N_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load("smollm2-135m")
+
+
+def test_install_caches_makes_mlx_lm_build_turboquant_caches(smol):
+    model, _ = smol
+    try:
+        install_caches(model, bits=4.25)
+        cache = mlx_make_prompt_cache(model)          # what mlx-lm's generate, batch generator and server call
+        assert all(type(c) is TurboQuantKVCache for c in cache) and batchable(cache)
+        assert cache[0].sink_tokens == 1
+        install_caches(model, bits=3.25)              # again: replaces the options, no recursion
+        assert mlx_make_prompt_cache(model)[0].key_codec.config()["inner"]["bits"] == 3
+        with pytest.raises(ValueError, match="bits"):
+            install_caches(model, bits=0.5)           # bad options fail at once, the installed ones stay
+        assert mlx_make_prompt_cache(model)[0].key_codec.config()["inner"]["bits"] == 3
+    finally:
+        model.__dict__.pop("make_cache", None)
+    assert not any(isinstance(c, TurboQuantKVCache) for c in mlx_make_prompt_cache(model))
+
+
+def test_install_caches_keeps_the_sliding_layers():
+    model, _ = load("gemma3-270m")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        cache = install_caches(model, bits=4.25)
+        kinds = [type(c) for c in cache]
+        assert kinds.count(TurboQuantRotatingKVCache) == 15 and kinds.count(TurboQuantKVCache) == 3
+        assert all(c.max_size == 512 and c.keep == 0 for c in cache if isinstance(c, TurboQuantRotatingKVCache))
+        assert batchable(cache)
+        # make_prompt_cache still reads the model's own layout: max_kv_size rings (keep=4) are not batched
+        capped = make_prompt_cache(model, bits=4.25, max_kv_size=64)
+    assert [type(c) for c in capped] == [TurboQuantRotatingKVCache] * 18 and not batchable(capped)
+
+
+def test_wrong_arguments_are_refused(capsys):
+    for argv, said in ((["--max-kv-size", "64"], "--max-kv-size"), (["--bits", "4.25", "--key-bits", "4"], "contradict"),
+                       (["--port", "0"], "--port"), (["--mlx-options", "'unclosed"], "--mlx-options")):
+        with pytest.raises(SystemExit):
+            cli(["serve", *argv])
+        assert said in capsys.readouterr().err
+    assert cli(["serve", "--mlx-options", "--kv-bits 4"]) == 1       # mlx-lm's own cache quantization
+    assert "--kv-bits is not an option of turboquant serve" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port: int, body, timeout=120):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "turboquant.cli", "serve", "--model", "smollm2-135m",
+                             "--bits", "4.25", "--port", str(port), "--log-level", "WARNING"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(240):
+            if proc.poll() is not None:
+                raise RuntimeError(f"turboquant serve exited: {proc.stdout.read()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("turboquant serve did not answer /health within 120 s")
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _expected(smol, question: str) -> str:
+    """The answer alone, in-process, through the same cache (the server batches: see
+    ``check_equal`` in tests/test_batch.py for why that is comparable token for token)."""
+    model, tok = smol
+    prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    return generate(model, tok, prompt, max_tokens=N_TOKENS, prompt_cache=make_prompt_cache(model, bits=4.25))
+
+
+def test_served_answer_equals_the_same_cache_in_process(server, smol):
+    status, body = _post(server, {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": N_TOKENS})
+    assert status == 200
+    answer = json.loads(body)["choices"][0]["message"]["content"]
+    assert answer == _expected(smol, QUESTIONS[0])
+
+
+def test_concurrent_requests_are_batched_and_each_equals_its_own_run(server, smol):
+    answers = {}
+
+    def ask(q):
+        answers[q] = json.loads(_post(server, {"messages": [{"role": "user", "content": q}],
+                                               "max_tokens": N_TOKENS})[1])["choices"][0]["message"]["content"]
+    threads = [threading.Thread(target=ask, args=(q,)) for q in QUESTIONS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert answers == {q: _expected(smol, q) for q in QUESTIONS}
+
+
+def test_streaming_and_a_malformed_request(server, smol):
+    status, body = _post(server, {"messages": [{"role": "user", "content": QUESTIONS[1]}], "max_tokens": N_TOKENS,
+                                  "stream": True})
+    chunks = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert status == 200 and text == _expected(smol, QUESTIONS[1])
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        _post(server, b"{not json")
+    assert bad.value.code == 400
+    # the server keeps serving, and the conversation asked before is answered from its cache alike
+    status, body = _post(server, {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": N_TOKENS})
+    assert json.loads(body)["choices"][0]["message"]["content"] == _expected(smol, QUESTIONS[0])
+    assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

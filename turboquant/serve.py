@@ -1,0 +1,138 @@
+"""``turboquant serve``: mlx-lm's OpenAI-compatible HTTP server on compressed caches (Chapter 7).
+
+Nothing here is an HTTP server: ``mlx_lm.server`` is run as it is (its API —
+``/v1/chat/completions``, ``/v1/completions``, streaming, ``/health`` —, its continuous
+batching ``BatchGenerator``, its prompt-cache LRU bounded by ``--prompt-cache-bytes``), with
+one change: the model's ``make_cache`` returns TurboQuant caches (``install_caches``), so
+every conversation it serves, batches (``turboquant.batch.BatchCodesCache``) and keeps in
+its LRU holds codes. mlx-lm sizes that LRU by each cache's ``nbytes``, which for these
+caches are the codes' real bytes, so the same ``--prompt-cache-bytes`` keeps several times
+more conversations.
+
+The server listens on 127.0.0.1 unless ``--host`` says otherwise; mlx-lm warns that it
+implements only basic security checks.
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Optional
+
+from mlx_lm.models import cache as mlx_cache
+
+__all__ = ["install_caches", "batchable", "serve"]
+
+
+class _CacheFactory:
+    """The ``make_cache`` installed on a model: TurboQuant caches made with ``options``
+    (``make_prompt_cache``'s keyword arguments). ``make_prompt_cache`` reads the model's
+    mlx-lm layout through ``mlx_layout()``, during which this answers with the model's own
+    caches (``original``, or mlx-lm's default when the model has no ``make_cache``)."""
+
+    def __init__(self, model, options: dict, original):
+        self.model, self.options, self.original = model, dict(options), original
+        self._inside = 0
+
+    @contextmanager
+    def mlx_layout(self):
+        self._inside += 1
+        try:
+            yield
+        finally:
+            self._inside -= 1
+
+    def __call__(self) -> list:
+        if self._inside:
+            return self.original() if self.original is not None else [mlx_cache.KVCache() for _ in self.model.layers]
+        from .prompt_cache import make_prompt_cache
+        return make_prompt_cache(self.model, warn_rotating=False, **self.options)
+
+
+def install_caches(model, **options) -> list:
+    """Make ``model.make_cache()`` — and so ``mlx_lm.models.cache.make_prompt_cache(model)``,
+    which mlx-lm's generation, batch generator and server call — return TurboQuant caches
+    made with ``options`` (``turboquant.make_prompt_cache``'s keyword arguments, e.g.
+    ``bits=4.25``). Returns one such cache (built now, so bad options fail here). Installing
+    again replaces the options."""
+    current = getattr(model, "make_cache", None)
+    original = current.original if isinstance(current, _CacheFactory) else current
+    factory = _CacheFactory(model, options, original)
+    cache = factory()                          # bad options fail before anything changes
+    model.make_cache = factory
+    return cache
+
+
+def batchable(cache: list) -> bool:
+    """Whether mlx-lm's batch generator can merge these caches: every one has ``merge``, and
+    rotating ones keep no leading tokens (``max_kv_size``'s ``keep=4`` is not batched)."""
+    return all(hasattr(c, "merge") for c in cache) and not any(getattr(c, "keep", 0) for c in cache)
+
+
+def _provider_class():
+    from mlx_lm.server import ModelProvider
+
+    class CompressedModelProvider(ModelProvider):
+        """mlx-lm's ``ModelProvider`` whose models make TurboQuant caches (``install_caches``
+        with ``cache_options``); installed model names (``smollm2-135m`` …) are accepted as
+        the request's ``model`` too."""
+
+        cache_options: dict = {}
+        aliases: dict = {}
+
+        def __init__(self, cli_args):
+            super().__init__(cli_args)
+            self._model_map.update(self.aliases)
+
+        def _load(self, model_path, adapter_path=None, draft_model_path=None):
+            import mlx.core as mx
+            super()._load(model_path, adapter_path, draft_model_path)
+            self.model.set_dtype(mx.float32)             # as turboquant.load: float32 on the CPU
+            cache = install_caches(self.model, **self.cache_options)
+            self.is_batchable = self.draft_model is None and batchable(cache)
+
+    return CompressedModelProvider
+
+
+CompressedModelProvider = None   # the class, made on first use (importing mlx_lm.server is slow)
+
+
+@contextmanager
+def _provider(options: dict, aliases: dict):
+    """mlx-lm's server module with its ``ModelProvider`` replaced, for the duration."""
+    global CompressedModelProvider
+    import mlx_lm.server as server
+    if CompressedModelProvider is None:
+        CompressedModelProvider = _provider_class()
+    cls = type("ConfiguredProvider", (CompressedModelProvider,), {"cache_options": dict(options),
+                                                                   "aliases": dict(aliases)})
+    saved = server.ModelProvider
+    server.ModelProvider = cls
+    try:
+        yield cls
+    finally:
+        server.ModelProvider = saved
+
+
+def serve(model: str, options: dict, mlx_args: Optional[list] = None) -> None:
+    """Run mlx-lm's server (blocking, until interrupted) on ``model`` (an installed model's
+    name, converted on first use, or an mlx-lm folder) with TurboQuant caches made with
+    ``options``. ``mlx_args`` are ``mlx_lm.server``'s own command-line options (``--port``,
+    ``--host``, ``--prompt-cache-bytes``, ``--decode-concurrency`` …)."""
+    from mlx_lm import server
+    from .models import MODELS, model_folder
+    mlx_args = list(mlx_args or [])
+    bad = [a for a in mlx_args if a.split("=")[0] in ("--model", "--kv-bits", "--kv-group-size",
+                                                      "--quantized-kv-start", "--draft-model")]
+    if bad:
+        raise ValueError(f"{bad[0].split('=')[0]} is not an option of turboquant serve: the model is --model "
+                         "here, the cache is chosen by --bits/--key-bits/--value-bits/--codec, and speculative "
+                         "decoding is not batched")
+    folder = str(model_folder(model))
+    aliases = {model: folder} if model in MODELS else {}
+    argv = ["turboquant serve", "--model", folder, *mlx_args]
+    with _provider(options, aliases):
+        saved, sys.argv = sys.argv, argv
+        try:
+            server.main()
+        finally:
+            sys.argv = saved
