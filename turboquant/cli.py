@@ -465,7 +465,9 @@ def _bench_generate(args) -> int:
 def _serve(args) -> int:
     import shlex
     from .generate import DEFAULT_BITS, cache_options
-    from .serve import serve
+    from .serve import serve, serve_plain
+    if args.plain and any(getattr(args, n) is not None for n in ("bits", "key_bits", "value_bits", "codec", "profile")):
+        args.parser.error("argument --plain: mlx-lm's own uncompressed caches; no cache option applies")
     if args.max_kv_size is not None:
         args.parser.error("argument --max-kv-size: its rotating caches keep 4 leading tokens, which are not "
                           "batched; serve windows through the model's own sliding layers")
@@ -491,9 +493,41 @@ def _serve(args) -> int:
         mlx += shlex.split(args.mlx_options or "")
     except ValueError as e:
         args.parser.error(f"argument --mlx-options: {e}")
+    what = "mlx-lm's uncompressed caches" if args.plain else f"caches {options}"
     print(f"turboquant serve: {args.model} on http://{args.host}:{args.port} (OpenAI-compatible: "
-          f"/v1/chat/completions, /v1/completions), caches {options}", file=sys.stderr, flush=True)
-    serve(args.model, options, mlx)
+          f"/v1/chat/completions, /v1/completions), {what}", file=sys.stderr, flush=True)
+    if args.plain:
+        serve_plain(args.model, mlx)
+    else:
+        serve(args.model, options, mlx)
+    return 0
+
+
+def _loadtest(args) -> int:
+    from .generate import cache_options
+    from .loadtest import run_loadtest
+    from .viz.style import table
+    try:
+        cache_options(args.bits)
+    except ValueError as e:
+        args.parser.error(str(e))
+    say = None if args.quiet else lambda m: print(m + " ...", file=sys.stderr, flush=True)
+    r = run_loadtest(args.model, conversations=args.conversations, concurrency=tuple(args.concurrency),
+                     budgets=tuple(args.budgets), max_tokens=args.max_tokens, chars=args.chars,
+                     cache_args=("--bits", str(args.bits)), faults=not args.no_faults, progress=say)
+    rows = []
+    for kind, e in r["servers"].items():
+        for t in e["throughput"]:
+            rows.append([e["label"], t["clients"], t["requests_per_s"], t["tokens_per_s"], t["p50_s"], t["p95_s"],
+                         (t["peak_rss_bytes"] or 0) / 2**20])
+    print(table(rows, ["server", "clients", "requests/s", "tokens/s", "p50 s", "p95 s", "peak MiB"], ".3g"))
+    rows = [[e["label"], c["budget"], c["conversations"], c["kept"], c["second_turn_hits"]]
+            for e in r["servers"].values() for c in e["capacity"]]
+    print(table(rows, ["server", "--prompt-cache-bytes", "conversations", "kept", "2nd turns cached"], ".3g"))
+    if "faults" in r:
+        print("faults:", json.dumps(r["faults"]))
+    if args.out:
+        _write_json(args.out, r)
     return 0
 
 
@@ -687,9 +721,26 @@ def main(argv=None) -> int:
     sv.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     sv.add_argument("--mlx-options", default=None, help="further mlx_lm.server options, quoted "
                     "(e.g. \"--temp 0.7 --chat-template-args '{}'\")")
+    sv.add_argument("--plain", action="store_true", help="mlx-lm's own uncompressed caches (the load test's baseline)")
     sv.set_defaults(run=_serve)
+
+    lt = sub.add_parser("loadtest", help="bounded load test on loopback: turboquant serve against mlx-lm's server",
+                        description="Starts each server on a free 127.0.0.1 port, drives it with a fixed number of "
+                        "conversations and clients, stops it: throughput, latency, peak memory, conversations "
+                        "kept within --prompt-cache-bytes, faults.")
+    lt.add_argument("--model", default="smollm2-135m", help=f"{names}, or the path of an mlx-lm model folder")
+    lt.add_argument("--bits", type=_bits, default=4.25, help="the compressed server's budget (turboquant serve --bits)")
+    lt.add_argument("--conversations", type=_int_in(2, 1000), default=8, help="conversations per run")
+    lt.add_argument("--concurrency", type=_int_in(1, 64), nargs="+", default=[1, 4], help="client threads")
+    lt.add_argument("--budgets", nargs="+", default=["16MB", "48MB"], help="--prompt-cache-bytes values")
+    lt.add_argument("--max-tokens", type=_int_in(1, 512), default=16, help="generated tokens per answer")
+    lt.add_argument("--chars", type=_int_in(100, 20000), default=1200, help="characters of news text per conversation")
+    lt.add_argument("--no-faults", action="store_true", help="skip the fault injection")
+    lt.add_argument("--out", default=None, help="write the results as JSON here")
+    lt.add_argument("--quiet", action="store_true", help="no progress lines")
+    lt.set_defaults(run=_loadtest)
     args = p.parse_args(argv)
-    args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c, "needle": nd, "longctx": lc, "serve": sv,
+    args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c, "needle": nd, "longctx": lc, "serve": sv, "loadtest": lt,
                    "bench": {"decode": bd, "generate": bg}.get(getattr(args, "what", None), b)}[args.command]
     try:
         # where results go is checked before the work that produces them

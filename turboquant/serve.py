@@ -20,7 +20,7 @@ from typing import Optional
 
 from mlx_lm.models import cache as mlx_cache
 
-__all__ = ["install_caches", "batchable", "serve"]
+__all__ = ["install_caches", "batchable", "serve", "serve_plain"]
 
 
 class _CacheFactory:
@@ -113,12 +113,7 @@ def _provider(options: dict, aliases: dict):
         server.ModelProvider = saved
 
 
-def serve(model: str, options: dict, mlx_args: Optional[list] = None) -> None:
-    """Run mlx-lm's server (blocking, until interrupted) on ``model`` (an installed model's
-    name, converted on first use, or an mlx-lm folder) with TurboQuant caches made with
-    ``options``. ``mlx_args`` are ``mlx_lm.server``'s own command-line options (``--port``,
-    ``--host``, ``--prompt-cache-bytes``, ``--decode-concurrency`` …)."""
-    from mlx_lm import server
+def _mlx_argv(model: str, mlx_args: Optional[list]) -> tuple[list, dict]:
     from .models import MODELS, model_folder
     mlx_args = list(mlx_args or [])
     bad = [a for a in mlx_args if a.split("=")[0] in ("--model", "--kv-bits", "--kv-group-size",
@@ -128,11 +123,31 @@ def serve(model: str, options: dict, mlx_args: Optional[list] = None) -> None:
                          "here, the cache is chosen by --bits/--key-bits/--value-bits/--codec, and speculative "
                          "decoding is not batched")
     folder = str(model_folder(model))
-    aliases = {model: folder} if model in MODELS else {}
-    argv = ["turboquant serve", "--model", folder, *mlx_args]
+    return ["turboquant serve", "--model", folder, *mlx_args], ({model: folder} if model in MODELS else {})
+
+
+def _run_mlx_server(argv: list) -> None:
+    from mlx_lm import server
+    saved, sys.argv = sys.argv, argv
+    try:
+        server.main()
+    finally:
+        sys.argv = saved
+
+
+def serve_plain(model: str, mlx_args: Optional[list] = None) -> None:
+    """mlx-lm's server unchanged (its uncompressed caches in the model's dtype), on the same
+    model folder and with the fast CPU BLAS this package sets up: the baseline of the load
+    test (``turboquant serve --plain``)."""
+    argv, _ = _mlx_argv(model, mlx_args)
+    _run_mlx_server(argv)
+
+
+def serve(model: str, options: dict, mlx_args: Optional[list] = None) -> None:
+    """Run mlx-lm's server (blocking, until interrupted) on ``model`` (an installed model's
+    name, converted on first use, or an mlx-lm folder) with TurboQuant caches made with
+    ``options``. ``mlx_args`` are ``mlx_lm.server``'s own command-line options (``--port``,
+    ``--host``, ``--prompt-cache-bytes``, ``--decode-concurrency`` …)."""
+    argv, aliases = _mlx_argv(model, mlx_args)
     with _provider(options, aliases):
-        saved, sys.argv = sys.argv, argv
-        try:
-            server.main()
-        finally:
-            sys.argv = saved
+        _run_mlx_server(argv)
