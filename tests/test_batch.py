@@ -43,7 +43,7 @@ def batched(model, tok, prompts, make, n=N_NEW, step=256, **kw):
                           return_prompt_caches=True, verbose=False, prefill_step_size=step, **kw)
 
 
-def check_equal(model, tok, prompts, make, n=N_NEW, step=256, **kw):
+def check_equal(model, tok, prompts, make, n=N_NEW, step=256, codes=False, **kw):
     """Batched greedy tokens equal each prompt's tokens alone. Strictly this also needs the
     model to compute a sequence in a batch close enough to alone that no key crosses a
     quantization level boundary: a flipped code is a real change that grows through the
@@ -51,6 +51,9 @@ def check_equal(model, tok, prompts, make, n=N_NEW, step=256, **kw):
     differs from single ones by ~5e-5 in the logits and no code flips in these runs; should a
     machine flip one, the message says how far its batched forward drifts.
     ``test_rows_receive_exactly_their_tokens`` checks the cache's own exactness on any machine."""
+    if codes:                          # attention from codes, batched (RowsView) and alone
+        with codes_attention(model):
+            return check_equal(model, tok, prompts, make, n, step, **kw)
     r = batched(model, tok, prompts, make, n=n, step=step, **kw)
     for i, p in enumerate(prompts):
         single = alone(model, p, make(), n=n, step=step)
@@ -75,6 +78,21 @@ def test_budget_cache_batched_equals_alone(smol):
     for i, p in enumerate(ids):
         assert all(isinstance(c, TurboQuantKVCache) for c in r.caches[i])
         assert r.caches[i][0].offset == len(p) + N_NEW
+
+
+def test_attention_from_codes_on_a_batch(smol, gemma):
+    # under codes_attention the batch cache hands each sequence's codes to attention_from_codes
+    # (the CPU kernels), row by row with the mask its own cache gives; Gemma's rings wrap
+    model, tok = smol
+    ids = [tok.encode(p) for p in PROMPTS]
+    check_equal(model, tok, ids, lambda: make_prompt_cache(model, bits=4.25), codes=True)
+    model, tok = gemma
+    text = tok.encode(open(__file__.replace("test_batch.py", "../turboquant/cache.py")).read())
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        check_equal(model, tok, [text[:600], text[50:540]], lambda: make_prompt_cache(model, bits=4.25), n=4,
+                    codes=True)
 
 
 def test_continuous_batching_extends_and_filters(smol):
@@ -246,6 +264,3 @@ def test_bad_use_is_refused(smol):
         batch.prepare(left_padding=[1, 0])
     with pytest.raises(ValueError, match="out of range"):
         batch.filter([2])
-    with pytest.raises(ValueError, match="codes_attention"):
-        with codes_attention(model):
-            batch.update_and_fetch(k, k)

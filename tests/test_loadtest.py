@@ -3,7 +3,7 @@ on loopback (the recorded comparison with mlx-lm's server is Chapter 7's, via th
 import pytest
 
 from turboquant.cli import main as cli
-from turboquant.loadtest import _quantile, conversation_texts, run_loadtest
+from turboquant.loadtest import quantile, conversation_texts, run_loadtest
 
 
 def test_conversation_texts_are_distinct_passages():
@@ -14,9 +14,9 @@ def test_conversation_texts_are_distinct_passages():
         conversation_texts(10_000, chars=5000)
 
 
-def test_quantile_is_a_nearest_rank():
+def testquantile_is_a_nearest_rank():
     xs = [5.0, 1.0, 3.0, 2.0, 4.0]
-    assert (_quantile(xs, 0.5), _quantile(xs, 0.95), _quantile(xs, 0.0)) == (3.0, 5.0, 1.0)
+    assert (quantile(xs, 0.5), quantile(xs, 0.95), quantile(xs, 0.0)) == (3.0, 5.0, 1.0)
 
 
 def test_wrong_arguments(capsys):

@@ -283,6 +283,10 @@ def codes_attention(model):
             if held is not None and n_layers is not None and held != n_layers:
                 raise ValueError(f"this prompt cache was made for {held} layers, the model has "
                                  f"{n_layers} (mlx-lm would silently skip or ignore layers)")
+            if hasattr(keys, "attend_rows"):              # a batch of sequences (turboquant.batch.RowsView)
+                if kwargs.get("sinks") is not None:
+                    raise ValueError("attention sinks are not supported from codes")
+                return keys.attend_rows(queries, scale, attention_from_codes)
             if isinstance(keys, CodesView):
                 if kwargs.get("sinks") is not None:
                     raise ValueError("attention sinks are not supported from codes")

@@ -38,7 +38,7 @@ from mlx_lm.models.base import create_causal_mask
 from .cache_base import CacheBase, codes_mode
 from .codes import CodesView
 
-__all__ = ["BatchCodesCache", "batch_drift"]
+__all__ = ["BatchCodesCache", "RowsView", "batch_drift"]
 
 # the caches a batch holds, one per sequence (``turboquant.cache``; named, not imported: that
 # module imports this one for ``merge``)
@@ -194,14 +194,16 @@ class BatchCodesCache(CacheBase):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Give each row its real tokens of ``keys``/``values`` (B, H_kv, N, D) and return
-        the batch's keys and values (B, H_kv, L, D) as ``make_mask(N)`` lays them out."""
-        if codes_mode.get() > 0:
-            raise ValueError("attention from codes (codes_attention) runs one sequence at a time; a batch "
-                             "cache returns decoded keys and values (use the model's own attention)")
+        the batch's keys and values (B, H_kv, L, D) as ``make_mask(N)`` lays them out; under
+        ``codes_attention``, a ``RowsView`` (twice) from which attention is computed row by
+        row from the codes."""
         B = len(self.rows)
         if not isinstance(keys, mx.array) or keys.ndim != 4 or keys.shape[0] != B:
             raise ValueError(f"keys must be (B={B}, H, N, D), got {getattr(keys, 'shape', type(keys).__name__)}")
         N = keys.shape[2]
+        if codes_mode.get() > 0:
+            view = self._rows_view(keys, values)
+            return view, view
         L, hist, lead = self._layout(N)
         ks, vs = [], []
         for i, row in enumerate(self.rows):
@@ -223,6 +225,24 @@ class BatchCodesCache(CacheBase):
             if self._left is not None:
                 self._left[i] -= n
         return mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
+
+    def _rows_view(self, keys: mx.array, values: mx.array) -> "RowsView":
+        """Each row takes its real tokens; what its own cache returns under codes mode (its
+        ``CodesView``s) and the mask it would give alone, for ``RowsView.attend_rows``."""
+        N, parts = keys.shape[2], []
+        for i, row in enumerate(self.rows):
+            a = min(N, self._skip[i])
+            n = N - a if self._left is None else min(N - a, self._left[i])
+            if n > 0:
+                mask = row.make_mask(n, window_size=self.max_size) if self.rotating else row.make_mask(n)
+                k, v = row.update_and_fetch(keys[i:i + 1, :, a:a + n], values[i:i + 1, :, a:a + n])
+                parts.append((k, v, mask, a, n))
+            else:
+                parts.append(None)
+            self._skip[i] -= a
+            if self._left is not None:
+                self._left[i] -= n
+        return RowsView(parts, tuple(keys.shape))
 
     @staticmethod
     def _place(x: Optional[mx.array], before: int, L: int, like: mx.array) -> mx.array:
@@ -268,3 +288,28 @@ class BatchCodesCache(CacheBase):
     def __repr__(self) -> str:
         return (f"BatchCodesCache({len(self.rows)} {self._kind()}, offsets "
                 f"{[r.offset for r in self.rows]}, {self.nbytes:,} bytes)")
+
+
+class RowsView:
+    """What a ``BatchCodesCache`` returns under ``codes_attention``: per sequence, the
+    (keys, values) ``CodesView`` its own cache returned, the mask it would use alone, and
+    which columns of the chunk hold its real queries (``None`` for a sequence with none).
+    ``attend_rows`` computes the batch's attention output (B, H, N, D) from the codes, one
+    sequence at a time (the CPU kernels where they apply); padded query columns get zeros."""
+
+    def __init__(self, parts: list, shape: tuple):
+        self.parts, self.shape = parts, shape
+
+    def attend_rows(self, queries: mx.array, scale: float, attend) -> mx.array:
+        """``attend`` is ``turboquant.attention.attention_from_codes`` (passed in: that
+        module reaches this one through the caches)."""
+        B, H, N, D = queries.shape
+        outs = []
+        for i, part in enumerate(self.parts):
+            if part is None:
+                outs.append(mx.zeros((1, H, N, D), queries.dtype))
+                continue
+            k, v, mask, a, n = part
+            o = attend(queries[i:i + 1, :, a:a + n], k, v, scale=scale, mask=mask)
+            outs.append(mx.pad(o, [(0, 0), (0, 0), (a, N - a - n), (0, 0)]))
+        return mx.concatenate(outs, axis=0)

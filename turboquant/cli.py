@@ -499,7 +499,7 @@ def _serve(args) -> int:
     if args.plain:
         serve_plain(args.model, mlx)
     else:
-        serve(args.model, options, mlx)
+        serve(args.model, options, mlx, from_codes=args.attention == "codes")
     return 0
 
 
@@ -721,6 +721,8 @@ def main(argv=None) -> int:
     sv.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     sv.add_argument("--mlx-options", default=None, help="further mlx_lm.server options, quoted "
                     "(e.g. \"--temp 0.7 --chat-template-args '{}'\")")
+    sv.add_argument("--attention", choices=["codes", "decoded"], default="codes",
+                    help="attention computed from the codes (default) or on decoded keys and values")
     sv.add_argument("--plain", action="store_true", help="mlx-lm's own uncompressed caches (the load test's baseline)")
     sv.set_defaults(run=_serve)
 

@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from typing import Callable, Optional
 
-__all__ = ["run_loadtest", "start_server", "conversation_texts"]
+__all__ = ["run_loadtest", "start_server", "conversation_texts", "quantile"]
 
 PROBE = "Say OK."
 
@@ -181,7 +181,8 @@ def _pool(jobs: list[Callable[[], dict]], clients: int) -> tuple[list[dict], flo
     return results, time.perf_counter() - t0
 
 
-def _quantile(xs: list[float], q: float) -> float:
+def quantile(xs: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile of ``xs`` (one of its values, no interpolation)."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
@@ -194,7 +195,7 @@ def _throughput(server: Server, texts: list[str], clients: int, max_tokens: int)
     gen = sum(r["usage"]["completion_tokens"] for r in ok)
     return {"clients": clients, "requests": len(texts), "failed": len(res) - len(ok), "wall_s": wall,
             "requests_per_s": len(ok) / wall, "tokens_per_s": gen / wall,
-            "p50_s": statistics.median(lat) if lat else None, "p95_s": _quantile(lat, 0.95) if lat else None,
+            "p50_s": statistics.median(lat) if lat else None, "p95_s": quantile(lat, 0.95) if lat else None,
             "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in ok), "completion_tokens": gen}
 
 

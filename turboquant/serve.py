@@ -78,6 +78,7 @@ def _provider_class():
 
         cache_options: dict = {}
         aliases: dict = {}
+        from_codes: bool = True
 
         def __init__(self, cli_args):
             super().__init__(cli_args)
@@ -89,6 +90,12 @@ def _provider_class():
             self.model.set_dtype(mx.float32)             # as turboquant.load: float32 on the CPU
             cache = install_caches(self.model, **self.cache_options)
             self.is_batchable = self.draft_model is None and batchable(cache)
+            if self.from_codes:
+                # mlx-lm loads the model in its generation thread, which then serves every request:
+                # attention from codes is switched on there for the life of the server
+                from .attention import codes_attention
+                self._codes = codes_attention(self.model)
+                self._codes.__enter__()
 
     return CompressedModelProvider
 
@@ -97,14 +104,15 @@ CompressedModelProvider = None   # the class, made on first use (importing mlx_l
 
 
 @contextmanager
-def _provider(options: dict, aliases: dict):
+def _provider(options: dict, aliases: dict, from_codes: bool = True):
     """mlx-lm's server module with its ``ModelProvider`` replaced, for the duration."""
     global CompressedModelProvider
     import mlx_lm.server as server
     if CompressedModelProvider is None:
         CompressedModelProvider = _provider_class()
     cls = type("ConfiguredProvider", (CompressedModelProvider,), {"cache_options": dict(options),
-                                                                   "aliases": dict(aliases)})
+                                                                   "aliases": dict(aliases),
+                                                                   "from_codes": from_codes})
     saved = server.ModelProvider
     server.ModelProvider = cls
     try:
@@ -143,11 +151,13 @@ def serve_plain(model: str, mlx_args: Optional[list] = None) -> None:
     _run_mlx_server(argv)
 
 
-def serve(model: str, options: dict, mlx_args: Optional[list] = None) -> None:
+def serve(model: str, options: dict, mlx_args: Optional[list] = None, from_codes: bool = True) -> None:
     """Run mlx-lm's server (blocking, until interrupted) on ``model`` (an installed model's
     name, converted on first use, or an mlx-lm folder) with TurboQuant caches made with
-    ``options``. ``mlx_args`` are ``mlx_lm.server``'s own command-line options (``--port``,
-    ``--host``, ``--prompt-cache-bytes``, ``--decode-concurrency`` …)."""
+    ``options``, attention computed from the codes (``from_codes``; else decoded keys and
+    values through the model's own attention). ``mlx_args`` are ``mlx_lm.server``'s own
+    command-line options (``--port``, ``--host``, ``--prompt-cache-bytes``,
+    ``--decode-concurrency`` …)."""
     argv, aliases = _mlx_argv(model, mlx_args)
-    with _provider(options, aliases):
+    with _provider(options, aliases, from_codes):
         _run_mlx_server(argv)

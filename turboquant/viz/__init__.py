@@ -3,7 +3,7 @@
 Every widget wraps a pure ``plot_*`` function that returns a matplotlib figure.
 """
 from .bitaxon import plot_swa_budget, plot_window_memory
-from .cache import best_within, lower_edge, plot_cache_tradeoff
+from .cache import best_within, lower_edge, plot_cache_tradeoff, plot_loadtest
 from .diagrams import plot_chapter_map, plot_nibble_lookup, plot_pipeline, plot_polar_tree
 from .calibrated import plot_allocation, plot_budget_choice, plot_spectra
 from .fibquant import plot_fibquant_codebook, plot_frontier, plot_radius_law
@@ -17,7 +17,7 @@ from .scalar import plot_codebook, plot_rate_distortion
 from .sphere import plot_block_law, plot_coordinate_law, plot_rotation_effect
 from .style import COLORS, GB, MB, Table, below, figure, interact, table
 
-__all__ = ["COLORS", "GB", "MB", "Table", "below", "figure", "interact", "table", "plot_kv_memory",
+__all__ = ["COLORS", "GB", "MB", "Table", "below", "figure", "interact", "table", "plot_kv_memory", "plot_loadtest",
            "plot_kv_calculator", "MACBOOK_AIR_BYTES",
            "plot_rotation_effect", "plot_coordinate_law", "plot_block_law", "plot_codebook",
            "plot_rate_distortion", "plot_qjl_estimates", "qjl_estimates", "plot_polar_angles",

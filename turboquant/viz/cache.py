@@ -46,3 +46,31 @@ def plot_cache_tradeoff(rows, budget: float = 4.25, fp16_bits: float = 16.0):
     ax.legend(fontsize=7, frameon=False, loc="upper right")
     fig.tight_layout()
     return fig
+
+
+def plot_loadtest(record: dict):
+    """Chapter 7's serving figure from a ``turboquant loadtest`` record: left, conversations
+    the prompt-cache LRU keeps against ``--prompt-cache-bytes``, per server; right, generated
+    tokens/s against client threads, per server."""
+    servers = record.get("servers") or {}
+    if not servers:
+        raise ValueError("the record has no servers: nothing to plot")
+    fig, (left, right) = figure(ncols=2, width=3.6, height=3.2)
+    for i, (kind, s) in enumerate(sorted(servers.items())):
+        caps = s.get("capacity", [])
+        if caps:
+            mb = [float(c["budget"][:-2]) if c["budget"].upper().endswith("MB") else float(c["budget"]) / 1e6
+                  for c in caps]
+            left.plot(mb, [c["kept"] for c in caps], "o-", color=COLORS[i], label=s["label"])
+        thr = s.get("throughput", [])
+        if thr:
+            right.plot([t["clients"] for t in thr], [t["tokens_per_s"] for t in thr], "o-", color=COLORS[i],
+                       label=s["label"])
+    left.set_xlabel("--prompt-cache-bytes (MB, 10⁶ bytes)")
+    left.set_ylabel("conversations kept")
+    left.axhline(record["setup"]["conversations"], c="k", lw=0.8, ls=":")
+    right.set_xlabel("client threads")
+    right.set_ylabel("generated tokens/s")
+    left.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
