@@ -157,3 +157,12 @@ def test_streaming_and_a_malformed_request(server, smol):
     status, body = _post(server, {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": N_TOKENS})
     assert json.loads(body)["choices"][0]["message"]["content"] == _expected(smol, QUESTIONS[0])
     assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_sizes_read_as_mlx_lm_reads_them():
+    from turboquant.serve import size_in_bytes
+    assert [size_in_bytes(t) for t in ("64MB", "1.5G", "123", "2 gb")] == [64_000_000, 1_500_000_000, 123,
+                                                                         2_000_000_000]
+    for bad in ("2XB", "-1MB", "MB", ""):
+        with pytest.raises(ValueError, match="a size is"):
+            size_in_bytes(bad)

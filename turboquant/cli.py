@@ -488,11 +488,13 @@ def _serve(args) -> int:
            "--prefill-step-size", str(args.prefill_step_size), "--max-tokens", str(args.max_tokens),
            "--prompt-cache-size", str(args.prompt_cache_size)]
     if args.prompt_cache_bytes is not None:
-        mlx += ["--prompt-cache-bytes", args.prompt_cache_bytes]
+        mlx += ["--prompt-cache-bytes", str(args.prompt_cache_bytes)]
     try:
         mlx += shlex.split(args.mlx_options or "")
     except ValueError as e:
         args.parser.error(f"argument --mlx-options: {e}")
+    from .models import model_folder
+    model_folder(args.model)                      # an unknown model fails before the banner
     what = "mlx-lm's uncompressed caches" if args.plain else f"caches {options}"
     print(f"turboquant serve: {args.model} on http://{args.host}:{args.port} (OpenAI-compatible: "
           f"/v1/chat/completions, /v1/completions), {what}", file=sys.stderr, flush=True)
@@ -529,6 +531,21 @@ def _loadtest(args) -> int:
     if args.out:
         _write_json(args.out, r)
     return 0
+
+
+def _size(text: str) -> int:
+    """argparse type: a size in bytes as mlx-lm's server reads it (64MB, 1G, 123456)."""
+    from .serve import size_in_bytes
+    try:
+        return size_in_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _size_text(text: str) -> str:
+    """argparse type: a size as above, kept as written (it labels the results)."""
+    _size(text)
+    return text
 
 
 def _decode_options(parser, hidden: bool = False) -> None:
@@ -710,7 +727,7 @@ def main(argv=None) -> int:
     _cache_arguments(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     sv.add_argument("--port", type=_int_in(1, 65535), default=8080)
-    sv.add_argument("--prompt-cache-bytes", default=None,
+    sv.add_argument("--prompt-cache-bytes", type=_size, default=None,
                     help="bound on the bytes of the conversations kept for reuse (e.g. 64MB; the codes' real bytes)")
     sv.add_argument("--prompt-cache-size", type=_int_at_least(1), default=10,
                     help="at most this many conversations kept for reuse")
@@ -734,7 +751,8 @@ def main(argv=None) -> int:
     lt.add_argument("--bits", type=_bits, default=4.25, help="the compressed server's budget (turboquant serve --bits)")
     lt.add_argument("--conversations", type=_int_in(2, 1000), default=8, help="conversations per run")
     lt.add_argument("--concurrency", type=_int_in(1, 64), nargs="+", default=[1, 4], help="client threads")
-    lt.add_argument("--budgets", nargs="+", default=["16MB", "48MB"], help="--prompt-cache-bytes values")
+    lt.add_argument("--budgets", type=_size_text, nargs="+", default=["16MB", "48MB"],
+                    help="--prompt-cache-bytes values (e.g. 32MB: decimal, 10⁶ bytes)")
     lt.add_argument("--max-tokens", type=_int_in(1, 512), default=16, help="generated tokens per answer")
     lt.add_argument("--chars", type=_int_in(100, 20000), default=1200, help="characters of news text per conversation")
     lt.add_argument("--no-faults", action="store_true", help="skip the fault injection")

@@ -14,13 +14,26 @@ implements only basic security checks.
 """
 from __future__ import annotations
 
+import re
 import sys
 from contextlib import contextmanager
 from typing import Optional
 
 from mlx_lm.models import cache as mlx_cache
 
-__all__ = ["install_caches", "batchable", "serve", "serve_plain"]
+__all__ = ["install_caches", "batchable", "serve", "serve_plain", "size_in_bytes"]
+
+
+_UNITS = {"": 1, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
+
+
+def size_in_bytes(text: str) -> int:
+    """A size as mlx-lm's server reads ``--prompt-cache-bytes``: a number of bytes, or with
+    ``M``/``MB`` (10⁶) or ``G``/``GB`` (10⁹); e.g. "64MB" → 64,000,000. ValueError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"a size is a number of bytes, or with M/MB or G/GB (decimal), e.g. 64MB; got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 class _CacheFactory:

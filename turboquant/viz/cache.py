@@ -59,8 +59,8 @@ def plot_loadtest(record: dict):
     for i, (kind, s) in enumerate(sorted(servers.items())):
         caps = s.get("capacity", [])
         if caps:
-            mb = [float(c["budget"][:-2]) if c["budget"].upper().endswith("MB") else float(c["budget"]) / 1e6
-                  for c in caps]
+            from ..serve import size_in_bytes
+            mb = [size_in_bytes(c["budget"]) / 1e6 for c in caps]
             left.plot(mb, [c["kept"] for c in caps], "o-", color=COLORS[i], label=s["label"])
         thr = s.get("throughput", [])
         if thr:
