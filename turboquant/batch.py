@@ -46,8 +46,9 @@ _ROW_KINDS = ("TurboQuantKVCache", "TurboQuantRotatingKVCache")
 
 
 def batch_drift(model, prompts: Sequence[Sequence[int]]) -> float:
-    """max |Δlogit| between each prompt (token ids) run alone and the prompts right-padded
-    into one batch, without any cache (causal mask: real positions never see the padding).
+    """The largest absolute difference of the logits between each prompt (token ids) run
+    alone and the prompts right-padded into one batch, without any cache (causal mask: real
+    positions never see the padding).
 
     0.0 where the machine's BLAS computes a row bit for bit the same in a batch as alone
     (the CPU the book was built on). Batched greedy text through a compressed cache can
