@@ -480,3 +480,32 @@ def test_a_file_cannot_claim_a_fit_that_would_have_ended(llama, tmp_path):
     mx.save_safetensors(str(tmp_path / "bad.safetensors"), arrays, meta)
     with pytest.raises(ValueError, match="would have ended"):
         load_prompt_cache(tmp_path / "bad.safetensors")
+
+
+def test_a_trim_back_into_the_fitted_tokens_refits():
+    # a server reuses conversation A's cache for B when they share a prefix; if that prefix is
+    # shorter than sinks + fit_tokens, B must not inherit the mean fitted on A's tokens
+    import numpy as np
+    from turboquant.codecs import Centered
+    key = mx.random.key(3)
+    a = mx.random.normal((1, 2, 40, 32), key=key) + 2.0
+    b = mx.random.normal((1, 2, 36, 32), key=mx.random.split(key)[0]) - 1.0
+    make = lambda: TurboQuantKVCache(Centered(TurboQuantMSE(32, 4)), TurboQuantMSE(32, 4, seed=1), sink_tokens=1)
+    reused = make()
+    reused.update_and_fetch(a, a)
+    assert reused.trim(36) == 36 and reused.offset == 4 and reused.learning     # learning again
+    reused.update_and_fetch(b, b)
+    fresh = make()
+    fresh.update_and_fetch(a[..., :4, :], a[..., :4, :])
+    fresh.update_and_fetch(b, b)
+    assert reused.key_codec.config() == fresh.key_codec.config()
+    for x, y in ((reused.keys, fresh.keys), (reused.values, fresh.values)):
+        assert np.array_equal(np.array(x), np.array(y))
+    # and the rule survives a copy (mlx-lm's prompt-cache LRU deep-copies before it trims)
+    again = make()
+    again.update_and_fetch(a, a)
+    import copy
+    copied = copy.deepcopy(again)
+    copied.trim(36)
+    copied.update_and_fetch(b, b)
+    assert copied.key_codec.config() == fresh.key_codec.config()

@@ -1,5 +1,7 @@
 """The bounded load test (issue #31): its pieces, and one small run of the compressed server
 on loopback (the recorded comparison with mlx-lm's server is Chapter 7's, via the CLI)."""
+import sys
+
 import pytest
 
 from turboquant.cli import main as cli
@@ -32,9 +34,10 @@ def test_a_small_run_serves_batches_keeps_and_survives_faults():
     r = run_loadtest("smollm2-135m", conversations=2, concurrency=(2,), budgets=("64MB",), max_tokens=2, chars=200,
                      kinds=("turboquant",))
     t = r["servers"]["turboquant"]["throughput"][0]
-    assert t["failed"] == 0 and t["completion_tokens"] == 4 and t["requests_per_s"] > 0 and t["peak_rss_bytes"] > 0
+    assert t["failed"] == 0 and t["completion_tokens"] == 4 and t["requests_per_s"] > 0
+    assert t["peak_rss_bytes"] > 0 if sys.platform.startswith("linux") else t["peak_rss_bytes"] is None
     c = r["servers"]["turboquant"]["capacity"][0]
     assert c["kept"] == 2 and c["second_turn_hits"] == 2          # 64 MB holds both short conversations
     f = r["faults"]
     assert f["malformed_status"] == 400 and f["oversize_status"] == 200 and f["still_serving"]
-    assert f["disconnect_got_bytes"] > 0
+    assert f["disconnect_got_bytes"] > 0          # it left after the first streamed chunk

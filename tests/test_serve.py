@@ -68,8 +68,11 @@ def test_wrong_arguments_are_refused(capsys):
         with pytest.raises(SystemExit):
             cli(["serve", *argv])
         assert said in capsys.readouterr().err
-    assert cli(["serve", "--mlx-options", "--kv-bits 4"]) == 1       # mlx-lm's own cache quantization
-    assert "--kv-bits is not an option of turboquant serve" in capsys.readouterr().err
+    for opt in ("--kv-bits 4", "--kv-b 4", "--mod x", "--draft y"):   # also as abbreviations mlx-lm accepts
+        with pytest.raises(SystemExit):
+            cli(["serve", "--mlx-options", opt])
+        err = capsys.readouterr().err
+        assert "is not an option of turboquant serve" in err and "on http://" not in err
 
 
 def _free_port() -> int:
@@ -161,8 +164,8 @@ def test_streaming_and_a_malformed_request(server, smol):
 
 def test_sizes_read_as_mlx_lm_reads_them():
     from turboquant.serve import size_in_bytes
-    assert [size_in_bytes(t) for t in ("64MB", "1.5G", "123", "2 gb")] == [64_000_000, 1_500_000_000, 123,
-                                                                         2_000_000_000]
+    assert [size_in_bytes(t) for t in ("64MB", "1.5G", "123", "2 gb", "1.001G")] == [
+        64_000_000, 1_500_000_000, 123, 2_000_000_000, 1_001_000_000]
     for bad in ("2XB", "-1MB", "MB", ""):
         with pytest.raises(ValueError, match="a size is"):
             size_in_bytes(bad)

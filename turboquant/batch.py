@@ -23,9 +23,13 @@ and gives each row only its real tokens:
   sliding window if there is one (window positions are contiguous: the rows hold their
   tokens in temporal order).
 
-Attention therefore sees, for every sequence, exactly the keys and values it would see
-alone; batched greedy generation equals one-at-a-time generation up to float rounding in
-the model's batched matrix products (tested).
+Given the same keys and values, a sequence in a batch therefore holds the same codes and
+attention sees the same keys and values as alone (tested on any machine). Batched greedy
+text equals one-at-a-time text when, in addition, no code flips: the model's batched
+forward may round differently from a single one (``batch_drift`` measures by how much),
+and a rounding-level change can move a coordinate across a quantization level boundary —
+a real change that grows through the layers (Chapter 7; equal in the tests on the CPU
+the book was built on).
 """
 from __future__ import annotations
 
@@ -50,11 +54,12 @@ def batch_drift(model, prompts: Sequence[Sequence[int]]) -> float:
     alone and the prompts right-padded into one batch, without any cache (causal mask: real
     positions never see the padding).
 
-    0.0 where the machine's BLAS computes a row bit for bit the same in a batch as alone
-    (the CPU the book was built on). Batched greedy text through a compressed cache can
-    equal one-at-a-time text exactly only then: a rounding-level change of one key can move
-    a coordinate across a quantization level boundary, and that flipped code is a real
-    change that grows through the layers (Chapter 7)."""
+    0.0 where the machine computes a row bit for bit the same in a batch as alone (without
+    padding, on the CPU the book was built on; with padding about 5e-5 there). The larger
+    it is, the likelier that batched greedy text through a compressed cache differs from
+    one-at-a-time text: a rounding-level change of one key can move a coordinate across a
+    quantization level boundary, and that flipped code is a real change that grows through
+    the layers (Chapter 7)."""
     prompts = [list(p) for p in prompts]
     if not prompts or not all(prompts):
         raise ValueError("batch_drift needs one or more non-empty prompts")

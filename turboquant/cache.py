@@ -89,6 +89,7 @@ class TurboQuantKVCache(CacheBase):
         fp_window, sink_tokens = check_int("fp_window", fp_window, 0), check_int("sink_tokens", sink_tokens, 0)
         self.fit_tokens = check_int("fit_tokens", fit_tokens, 1)
         self._warm: Optional[dict] = None   # while a codec learns: the first tokens, exact (``_learn``)
+        self._refit: Optional[dict] = None  # once it has learnt: how, so a trim back into those tokens refits
         self.sink_tokens = sink_tokens
         self.sink_keys = self.sink_values = None
         self.key_codec, self.value_codec = key_codec, value_codec or key_codec
@@ -216,6 +217,8 @@ class TurboQuantKVCache(CacheBase):
         n = min(seen + T, F)
         shadow._warm = None if seen + T >= F else {**w, "chunks": chunks, "k": k_all[..., :n, :],
                                                    "v": v_all[..., :n, :]}
+        if shadow._warm is None:           # fitted for good: remember from what (``_refit_after_trim``)
+            shadow._refit = {k: w[k] for k in ("start", "configs", "shared", "fit_from")}
         self.__dict__.update(shadow.__dict__)
         return self._fetch(*self._held())
 
@@ -370,8 +373,10 @@ class TurboQuantKVCache(CacheBase):
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens (fewer if fewer are held); returns how many. While a codec
         still learns, the next update refits without them. Once it has been fitted, a trim
-        below ``sink_tokens`` keeps that fit, made on tokens now gone: make a new cache to
-        refit (mlx-lm's server trims only to a shared prompt prefix, normally longer)."""
+        back into the tokens it was fitted on forgets that fit and learns again from the
+        tokens that remain (all held exactly), so the next tokens are coded as in a fresh
+        cache fed the same prefix (mlx-lm's server reuses a conversation's cache for another
+        that shares only a short prefix, e.g. Gemma's chat template)."""
         n = _check_trim(n)
         if self.fp_window and n:
             raise ValueError(f"a cache with fp_window={self.fp_window} cannot be trimmed exactly "
@@ -387,7 +392,28 @@ class TurboQuantKVCache(CacheBase):
             self.sink_keys = self.sink_keys[..., :self.offset, :]
             self.sink_values = self.sink_values[..., :self.offset, :]
         self._trim_warm()
+        self._refit_after_trim()
         return n
+
+    def _refit_after_trim(self) -> None:
+        """After a trim back into the tokens a learning codec was fitted on (a server reusing a
+        prefix shorter than sinks + ``fit_tokens`` of another conversation): forget that fit
+        and learn again from the tokens that remain — all held exactly — as if only they had
+        come. The next tokens then complete the fit, as in a fresh cache."""
+        r = getattr(self, "_refit", None)
+        if r is None or self._warm is not None or r["start"] != 0 or \
+                self.offset >= r["fit_from"] + self.fit_tokens or self.sink_keys is None:
+            return
+        from .codecs.base import from_config
+        o = self.offset
+        k, v = self.sink_keys[..., :o, :], self.sink_values[..., :o, :]
+        kc = from_config(r["configs"][0])
+        vc = kc if r["shared"] else from_config(r["configs"][1])
+        fresh = self._emptied(0, kc, vc)
+        fresh.sink_tokens, fresh._warm, fresh._refit = r["fit_from"], None, None
+        if o:
+            fresh._update_and_fetch(k, v)
+        self.__dict__.update(fresh.__dict__)
 
     def _trim_warm(self) -> None:
         """After a trim while a codec learns: forget the trimmed tokens (the next update
@@ -470,6 +496,8 @@ class TurboQuantKVCache(CacheBase):
              "offset": self.offset, "dtype": str(self.dtype).split(".")[-1]}
         if self._warm is not None:
             m["learning"] = {n: self._warm[n] for n in ("start", "chunks", "configs", "shared", "fit_from")}
+        if getattr(self, "_refit", None) is not None:
+            m["refit"] = self._refit
         return m
 
     @meta_state.setter
@@ -486,6 +514,13 @@ class TurboQuantKVCache(CacheBase):
             "start": int(learning["start"]), "chunks": [int(c) for c in learning["chunks"]],
             "configs": [dict(c) for c in learning["configs"]], "shared": shared, "k": None, "v": None,
             "fit_from": int(learning["fit_from"])}
+        refit = m.get("refit")
+        try:
+            self._refit = None if not refit else {
+                "start": int(refit["start"]), "configs": [dict(c) for c in refit["configs"]][:2],
+                "shared": bool(refit["shared"]), "fit_from": int(refit["fit_from"])}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"setting 'refit' must hold start, configs, shared, fit_from; got {refit!r}") from e
         self.dtype = getattr(mx, m["dtype"])
 
     @classmethod

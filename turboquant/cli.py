@@ -490,9 +490,15 @@ def _serve(args) -> int:
     if args.prompt_cache_bytes is not None:
         mlx += ["--prompt-cache-bytes", str(args.prompt_cache_bytes)]
     try:
-        mlx += shlex.split(args.mlx_options or "")
+        extra = shlex.split(args.mlx_options or "")
     except ValueError as e:
         args.parser.error(f"argument --mlx-options: {e}")
+    from .serve import check_mlx_options
+    try:
+        check_mlx_options(extra)
+    except ValueError as e:
+        args.parser.error(f"argument --mlx-options: {e}")
+    mlx += extra
     from .models import model_folder
     model_folder(args.model)                      # an unknown model fails before the banner
     what = "mlx-lm's uncompressed caches" if args.plain else f"caches {options}"

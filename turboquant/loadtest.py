@@ -223,10 +223,16 @@ def _faults(server: Server, texts: list[str], max_tokens: int) -> dict:
     # 1. a client that disconnects after the first streamed chunk
     body = json.dumps({"messages": [{"role": "user", "content": texts[0] + " Explain in detail."}],
                        "max_tokens": 200, "stream": True}).encode()
-    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=120) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        out["disconnect_got_bytes"] = len(s.recv(4096))
+        got = b""
+        while b"data: {" not in got:                 # read until the first generated chunk, then leave
+            part = s.recv(4096)
+            if not part:
+                break
+            got += part
+        out["disconnect_got_bytes"] = len(got) if b"data: {" in got else 0
     # 2. a malformed request
     req = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/chat/completions", data=b"{not json",
                                  headers={"Content-Type": "application/json"})

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 from contextlib import contextmanager
+from decimal import Decimal
 from typing import Optional
 
 from mlx_lm.models import cache as mlx_cache
 
-__all__ = ["install_caches", "batchable", "serve", "serve_plain", "size_in_bytes"]
+__all__ = ["install_caches", "batchable", "serve", "serve_plain", "size_in_bytes", "check_mlx_options"]
 
 
 _UNITS = {"": 1, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
@@ -33,7 +35,7 @@ def size_in_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"a size is a number of bytes, or with M/MB or G/GB (decimal), e.g. 64MB; got {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    return int(Decimal(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 class _CacheFactory:
@@ -44,18 +46,19 @@ class _CacheFactory:
 
     def __init__(self, model, options: dict, original):
         self.model, self.options, self.original = model, dict(options), original
-        self._inside = 0
+        self._local = threading.local()          # per thread: inside mlx_layout() or not
 
     @contextmanager
     def mlx_layout(self):
-        self._inside += 1
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
         try:
             yield
         finally:
-            self._inside -= 1
+            self._local.depth = depth
 
     def __call__(self) -> list:
-        if self._inside:
+        if getattr(self._local, "depth", 0):
             return self.original() if self.original is not None else [mlx_cache.KVCache() for _ in self.model.layers]
         from .prompt_cache import make_prompt_cache
         return make_prompt_cache(self.model, warn_rotating=False, **self.options)
@@ -99,16 +102,24 @@ def _provider_class():
 
         def _load(self, model_path, adapter_path=None, draft_model_path=None):
             import mlx.core as mx
+            previous = getattr(self, "_codes", None)
+            if previous is not None:                     # the model it patched is being replaced
+                self._codes = None
+                previous.__exit__(None, None, None)
             super()._load(model_path, adapter_path, draft_model_path)
-            self.model.set_dtype(mx.float32)             # as turboquant.load: float32 on the CPU
-            cache = install_caches(self.model, **self.cache_options)
-            self.is_batchable = self.draft_model is None and batchable(cache)
-            if self.from_codes:
-                # mlx-lm loads the model in its generation thread, which then serves every request:
-                # attention from codes is switched on there for the life of the server
-                from .attention import codes_attention
-                self._codes = codes_attention(self.model)
-                self._codes.__enter__()
+            try:
+                self.model.set_dtype(mx.float32)         # as turboquant.load: float32 on the CPU
+                cache = install_caches(self.model, **self.cache_options)
+                self.is_batchable = self.draft_model is None and batchable(cache)
+                if self.from_codes:
+                    # mlx-lm loads the model in its generation thread, which then serves every
+                    # request: attention from codes is switched on there until the next load
+                    from .attention import codes_attention
+                    self._codes = codes_attention(self.model)
+                    self._codes.__enter__()
+            except BaseException:
+                self.reset()                             # never serve this model uncompressed
+                raise
 
     return CompressedModelProvider
 
@@ -134,15 +145,27 @@ def _provider(options: dict, aliases: dict, from_codes: bool = True):
         server.ModelProvider = saved
 
 
+_NOT_MLX = ("--model", "--kv-bits", "--kv-group-size", "--quantized-kv-start", "--draft-model",
+            "--num-draft-tokens", "--adapter-path")
+
+
+def check_mlx_options(mlx_args: list) -> None:
+    """Refuse mlx-lm server options that would contradict turboquant serve, also as the
+    abbreviations mlx-lm's parser accepts (``--kv-b 4``, ``--mod X``)."""
+    for a in mlx_args:
+        name = str(a).split("=")[0]
+        if len(name) > 2 and name.startswith("--"):
+            hit = next((o for o in _NOT_MLX if o.startswith(name)), None)
+            if hit:
+                raise ValueError(f"{name} ({hit}) is not an option of turboquant serve: the model is --model "
+                                 "here, the cache is chosen by --bits/--key-bits/--value-bits/--codec, and "
+                                 "adapters and speculative decoding are not served")
+
+
 def _mlx_argv(model: str, mlx_args: Optional[list]) -> tuple[list, dict]:
     from .models import MODELS, model_folder
     mlx_args = list(mlx_args or [])
-    bad = [a for a in mlx_args if a.split("=")[0] in ("--model", "--kv-bits", "--kv-group-size",
-                                                      "--quantized-kv-start", "--draft-model")]
-    if bad:
-        raise ValueError(f"{bad[0].split('=')[0]} is not an option of turboquant serve: the model is --model "
-                         "here, the cache is chosen by --bits/--key-bits/--value-bits/--codec, and speculative "
-                         "decoding is not batched")
+    check_mlx_options(mlx_args)
     folder = str(model_folder(model))
     return ["turboquant serve", "--model", folder, *mlx_args], ({model: folder} if model in MODELS else {})
 
