@@ -210,11 +210,10 @@ class BatchCodesCache(CacheBase):
         if codes_mode.get() > 0:
             view = self._rows_view(keys, values)
             return view, view
-        L, hist, lead = self._layout(N)
+        L, hist, _ = self._layout(N)
         ks, vs = [], []
         for i, row in enumerate(self.rows):
-            a = lead[i]
-            n = N - a if self._left is None else min(N - a, self._left[i])
+            a, n = self._take(i, N)
             if n > 0:
                 k, v = row.update_and_fetch(keys[i:i + 1, :, a:a + n], values[i:i + 1, :, a:a + n])
                 if self.rotating:
@@ -227,27 +226,30 @@ class BatchCodesCache(CacheBase):
             before = L - N - hist[i] + a
             ks.append(self._place(k, before, L, keys))
             vs.append(self._place(v, before, L, values))
-            self._skip[i] -= a
-            if self._left is not None:
-                self._left[i] -= n
         return mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
+
+    def _take(self, i: int, N: int) -> tuple[int, int]:
+        """(a, n) for row i in N new columns: the first a are its leading padding, the next n
+        its real tokens (the rest trailing padding); both are consumed from the bookkeeping."""
+        a = min(N, self._skip[i])
+        n = N - a if self._left is None else min(N - a, self._left[i])
+        self._skip[i] -= a
+        if self._left is not None:
+            self._left[i] -= n
+        return a, n
 
     def _rows_view(self, keys: mx.array, values: mx.array) -> "RowsView":
         """Each row takes its real tokens; what its own cache returns under codes mode (its
         ``CodesView``s) and the mask it would give alone, for ``RowsView.attend_rows``."""
         N, parts = keys.shape[2], []
         for i, row in enumerate(self.rows):
-            a = min(N, self._skip[i])
-            n = N - a if self._left is None else min(N - a, self._left[i])
+            a, n = self._take(i, N)
             if n > 0:
                 mask = row.make_mask(n, window_size=self.max_size) if self.rotating else row.make_mask(n)
                 k, v = row.update_and_fetch(keys[i:i + 1, :, a:a + n], values[i:i + 1, :, a:a + n])
                 parts.append((k, v, mask, a, n))
             else:
                 parts.append(None)
-            self._skip[i] -= a
-            if self._left is not None:
-                self._left[i] -= n
         return RowsView(parts, tuple(keys.shape))
 
     @staticmethod
