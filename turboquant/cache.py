@@ -376,7 +376,8 @@ class TurboQuantKVCache(CacheBase):
         back into the tokens it was fitted on forgets that fit and learns again from the
         tokens that remain (all held exactly), so the next tokens are coded as in a fresh
         cache fed the same prefix (mlx-lm's server reuses a conversation's cache for another
-        that shares only a short prefix, e.g. Gemma's chat template)."""
+        that shares only a short prefix, e.g. Gemma's chat template). A cache loaded from a
+        file keeps its fit on such a trim (files do not record how it was learnt)."""
         n = _check_trim(n)
         if self.fp_window and n:
             raise ValueError(f"a cache with fp_window={self.fp_window} cannot be trimmed exactly "
@@ -496,8 +497,6 @@ class TurboQuantKVCache(CacheBase):
              "offset": self.offset, "dtype": str(self.dtype).split(".")[-1]}
         if self._warm is not None:
             m["learning"] = {n: self._warm[n] for n in ("start", "chunks", "configs", "shared", "fit_from")}
-        if getattr(self, "_refit", None) is not None:
-            m["refit"] = self._refit
         return m
 
     @meta_state.setter
@@ -514,13 +513,7 @@ class TurboQuantKVCache(CacheBase):
             "start": int(learning["start"]), "chunks": [int(c) for c in learning["chunks"]],
             "configs": [dict(c) for c in learning["configs"]], "shared": shared, "k": None, "v": None,
             "fit_from": int(learning["fit_from"])}
-        refit = m.get("refit")
-        try:
-            self._refit = None if not refit else {
-                "start": int(refit["start"]), "configs": [dict(c) for c in refit["configs"]][:2],
-                "shared": bool(refit["shared"]), "fit_from": int(refit["fit_from"])}
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"setting 'refit' must hold start, configs, shared, fit_from; got {refit!r}") from e
+        self._refit = None        # how a fitted codec was learnt is kept in memory (and by copies), not in files
         self.dtype = getattr(mx, m["dtype"])
 
     @classmethod
@@ -550,6 +543,8 @@ class TurboQuantKVCache(CacheBase):
         state = tuple({n: _copy_array(a) for n, a in part.items()} for part in self.state[:3])
         new = type(self).from_state(state, self.meta_state)
         new.n_layers = self.n_layers
+        refit = getattr(self, "_refit", None)
+        new._refit = None if refit is None else {**refit, "configs": [dict(c) for c in refit["configs"]]}
         memo[id(self)] = new
         return new
 
