@@ -1,12 +1,7 @@
 """``turboquant serve`` (issue #31): mlx-lm's server on compressed caches, started on a free
 loopback port and stopped by the test; answers equal the same cache run in-process."""
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -75,12 +70,6 @@ def test_wrong_arguments_are_refused(capsys):
         assert "is not an option of turboquant serve" in err and "on http://" not in err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(port: int, body, timeout=120):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=data,
@@ -91,30 +80,14 @@ def _post(port: int, body, timeout=120):
 
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "turboquant.cli", "serve", "--model", "smollm2-135m",
-                             "--bits", "4.25", "--port", str(port), "--log-level", "WARNING"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """``turboquant serve --bits 4.25`` on a free loopback port, started and stopped as the
+    load test does it (``loadtest.start_server``)."""
+    from turboquant.loadtest import start_server
+    srv = start_server("smollm2-135m", "turboquant", cache_args=("--bits", "4.25"), max_tokens=N_TOKENS)
     try:
-        for _ in range(240):
-            if proc.poll() is not None:
-                raise RuntimeError(f"turboquant serve exited: {proc.stdout.read()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.5)
-        else:
-            raise RuntimeError("turboquant serve did not answer /health within 120 s")
-        yield port
+        yield srv.port
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        srv.stop()
 
 
 def _expected(smol, question: str) -> str:
