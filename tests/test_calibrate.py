@@ -304,3 +304,26 @@ def test_layer_sensitivity_feeds_the_allocation(model):
     assert rates == cal.allocate_layers(sens, 3.0, 16, floor_bits=2.5) == [2.5, 3.5]   # 4× as sensitive: +1 bit
     with pytest.raises(ValueError, match="2 layers"):
         cal.fit_layers(stats, [3.0], 3.0)
+
+
+def test_a_profile_cache_warns_once_it_codes_keys_past_its_calibrated_positions(model, profile, tmp_path,
+                                                                                monkeypatch):
+    import copy
+    import warnings
+
+    from turboquant.cache import FittedPositionsWarning
+    monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
+    window = profile["calibration"]["window"]
+    prof = {**profile, "calibration": {**profile["calibration"], "window": 64}}   # short, so the test is cheap
+    cache = tq.make_prompt_cache(model, bits=4.25, profile=prof)
+    assert window == 512 and {c.fitted_positions for c in cache} == {64}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FittedPositionsWarning)
+        model(mx.array([list(range(5, 69))]), cache=cache)       # positions 0 … 63: within
+    twin = copy.deepcopy(cache)                                   # copies keep the limit (a server's prompt cache)
+    assert {c.fitted_positions for c in twin} == {64}
+    with pytest.warns(FittedPositionsWarning, match="positions below 64"):
+        model(mx.array([[70]]), cache=twin)                       # position 64: past it
+    assert {c.fitted_positions for c in twin} == {None}           # said once, then quiet
+    # the uncalibrated budgets carry no limit: nothing to warn about
+    assert {c.fitted_positions for c in tq.make_prompt_cache(model, bits=4.25)} == {None}

@@ -12,7 +12,7 @@ blas.enable()   # before anything imports mlx: fast CPU matmuls on Linux (see bl
 from . import kernels  # noqa: E402,F401 - registers the fused kernels with the codecs
 from .attention import attention_from_codes, codes_attention  # noqa: E402
 from .batch import BatchCodesCache  # noqa: E402
-from .cache import TurboQuantKVCache, TurboQuantRotatingKVCache  # noqa: E402
+from .cache import FittedPositionsWarning, TurboQuantKVCache, TurboQuantRotatingKVCache  # noqa: E402
 from .codecs import (QJL, AffineCodec, Centered, Code, Codec, FibQuant, Identity, OutlierSplit,  # noqa: E402
                      PolarQuant, TurboQuantMSE, TurboQuantProd, from_config)
 from .codecs.transform import TransformCoder  # noqa: E402
@@ -31,7 +31,7 @@ __all__ = [
     # caches for mlx-lm (Chapter 7)
     "make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prompt_cache",
     "TurboQuantKVCache", "TurboQuantRotatingKVCache", "KIVICache", "codes_attention",
-    "BatchCodesCache",
+    "BatchCodesCache", "FittedPositionsWarning",
     # every shipped codec (Chapters 3–6, 10) and the codec interface
     "Codec", "Code", "from_config", "TurboQuantMSE", "TurboQuantProd", "QJL", "PolarQuant", "FibQuant",
     "AffineCodec", "Centered", "Identity", "OutlierSplit", "TransformCoder", "Rotation",

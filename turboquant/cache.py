@@ -19,6 +19,7 @@ to its affine quantized attention.
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Optional
 
 import mlx.core as mx
@@ -90,6 +91,7 @@ class TurboQuantKVCache(CacheBase):
         self.fit_tokens = check_int("fit_tokens", fit_tokens, 1)
         self._warm: Optional[dict] = None   # while a codec learns: the first tokens, exact (``_learn``)
         self._refit: Optional[dict] = None  # once it has learnt: how, so a trim back into those tokens refits
+        self.fitted_positions: Optional[int] = None   # calibrated coders saw keys only below it (``tag_group``)
         self.sink_tokens = sink_tokens
         self.sink_keys = self.sink_values = None
         self.key_codec, self.value_codec = key_codec, value_codec or key_codec
@@ -146,10 +148,13 @@ class TurboQuantKVCache(CacheBase):
         the tokens, the layers now disagree: the whole prompt cache is marked unusable and
         says so on this and every later update, instead of continuing out of step."""
         group = getattr(self, "group", None)
+        T = keys.shape[2] if getattr(keys, "ndim", 0) == 4 else 0
+        if self.fitted_positions is not None and self.offset + T > self.fitted_positions:
+            _warn_fitted_positions(self)
         if group is not None and group["broken"]:
             raise ValueError(group["broken"])
         if group is not None:
-            self._check_in_step(group, keys.shape[2] if getattr(keys, "ndim", 0) == 4 else 0)
+            self._check_in_step(group, T)
         try:
             return self._update_and_fetch(keys, values)
         except BaseException as e:                  # KeyboardInterrupt too: the layers disagree all the same
@@ -401,7 +406,7 @@ class TurboQuantKVCache(CacheBase):
         prefix shorter than sinks + ``fit_tokens`` of another conversation): forget that fit
         and learn again from the tokens that remain — all held exactly — as if only they had
         come. The next tokens then complete the fit, as in a fresh cache."""
-        r = getattr(self, "_refit", None)
+        r = self._refit
         if r is None or self._warm is not None or r["start"] != 0 or \
                 self.offset >= r["fit_from"] + self.fit_tokens or self.sink_keys is None:
             return
@@ -514,6 +519,7 @@ class TurboQuantKVCache(CacheBase):
             "configs": [dict(c) for c in learning["configs"]], "shared": shared, "k": None, "v": None,
             "fit_from": int(learning["fit_from"])}
         self._refit = None        # how a fitted codec was learnt is kept in memory (and by copies), not in files
+        self.fitted_positions = None   # calibrated coders' positions (``tag_group``): in memory and copies too
         self.dtype = getattr(mx, m["dtype"])
 
     @classmethod
@@ -543,8 +549,9 @@ class TurboQuantKVCache(CacheBase):
         state = tuple({n: _copy_array(a) for n, a in part.items()} for part in self.state[:3])
         new = type(self).from_state(state, self.meta_state)
         new.n_layers = self.n_layers
-        refit = getattr(self, "_refit", None)
+        refit = self._refit
         new._refit = None if refit is None else {**refit, "configs": [dict(c) for c in refit["configs"]]}
+        new.fitted_positions = self.fitted_positions
         memo[id(self)] = new
         return new
 
@@ -763,11 +770,32 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
         self.max_size, self.keep, self._idx = int(m["max_size"]), int(m["keep"]), int(m["idx"])
 
 
-def tag_group(cache: list) -> list:
+class FittedPositionsWarning(UserWarning):
+    """A calibrated cache stores keys at positions its coders never saw in calibration."""
+
+
+def _warn_fitted_positions(cache: "TurboQuantKVCache") -> None:
+    """Warn that a calibrated cache's coders now code keys past the positions they were
+    fitted on; the cache then forgets the limit (Python shows the warning once per calling
+    line: one warning per prompt cache and process, not one per layer and step)."""
+    n, cache.fitted_positions = cache.fitted_positions, None
+    warnings.warn(f"turboquant: this cache's coders were calibrated on keys at positions below {n} (the "
+                  f"profile's calibration windows) and now code keys past position {n}. RoPE turns keys by "
+                  "an angle that grows with position, so later keys have other statistics and the profile's "
+                  "key error grows several-fold past the calibrated positions (Chapter 10 measures it). "
+                  "For longer contexts use the uncalibrated budgets: make_prompt_cache(model, bits=…) "
+                  "without profile.", FittedPositionsWarning, stacklevel=3)
+
+
+def tag_group(cache: list, fitted_positions: Optional[int] = None) -> list:
     """Tell each TurboQuant cache the length of its list (``codes_attention`` checks it
     against the model's layers) and the group it belongs to (a failed forward pass marks the
-    whole group unusable: ``TurboQuantKVCache.update_and_fetch``)."""
+    whole group unusable: ``TurboQuantKVCache.update_and_fetch``). ``fitted_positions``: the
+    coders were calibrated on keys at positions below it (a profile's windows); storing a
+    token at or past it raises a ``FittedPositionsWarning``."""
     group = {"caches": [c for c in cache if isinstance(c, TurboQuantKVCache)], "broken": None}
     for i, c in enumerate(group["caches"]):
         c.n_layers, c.group, c.group_index = len(cache), group, i
+        if fitted_positions is not None:
+            c.fitted_positions = fitted_positions
     return cache

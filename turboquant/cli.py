@@ -172,7 +172,7 @@ def _cache_arguments(p) -> None:
     g.add_argument("--profile", nargs="?", const=True, default=None, metavar="PATH",
                    help="with --bits (default 4.25): the model's calibrated profile (or the profile file PATH) instead of the "
                         "uncalibrated budgets; it helps on text like its calibration text and can lose on "
-                        "other domains (Chapter 10)")
+                        "other domains, and past the 512 positions it was calibrated on (Chapter 10)")
     g.add_argument("--key-bits", type=_int_in(1, 8), default=None, help="TurboQuant_mse bits for keys (1..8)")
     g.add_argument("--value-bits", type=_int_in(1, 8), default=None, help="TurboQuant_mse bits for values (1..8)")
     g.add_argument("--codec", default=None, help="a codec config as JSON, or a JSON file (keys and values)")
@@ -489,12 +489,9 @@ def _serve(args) -> int:
            "--prompt-cache-size", str(args.prompt_cache_size)]
     if args.prompt_cache_bytes is not None:
         mlx += ["--prompt-cache-bytes", str(args.prompt_cache_bytes)]
-    try:
-        extra = shlex.split(args.mlx_options or "")
-    except ValueError as e:
-        args.parser.error(f"argument --mlx-options: {e}")
     from .serve import check_mlx_options
-    try:
+    try:                                          # unbalanced quotes, or an option turboquant owns
+        extra = shlex.split(args.mlx_options or "")
         check_mlx_options(extra)
     except ValueError as e:
         args.parser.error(f"argument --mlx-options: {e}")

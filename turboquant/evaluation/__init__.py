@@ -10,13 +10,14 @@ attend to compressed keys and values (``mlx_lm.perplexity`` calls the model with
 cache and cannot see KV compression).
 """
 from .agreement import greedy_agreement, top1_agreement
-from .fidelity import capture_qkv, key_statistics, layer_fidelity, recording
+from .fidelity import capture_qkv, key_statistics, layer_fidelity, position_error, recording
 from .needle import NEEDLE, NEEDLE_VALUES, QUESTION, needle_accuracy, needle_prompt, needle_values
 from .outliers import channel_profile
 from .scoring import perplexity
 from .prefilling import MakeCache, fresh_cache, greedy, fill_cache, prefill, prefill_logits
 from .text import bos_id, encode_text
 
-__all__ = ["encode_text", "bos_id", "perplexity", "capture_qkv", "layer_fidelity", "key_statistics", "recording",
+__all__ = ["encode_text", "bos_id", "perplexity", "capture_qkv", "layer_fidelity", "key_statistics",
+           "position_error", "recording",
            "needle_prompt", "needle_accuracy", "needle_values", "NEEDLE", "QUESTION", "NEEDLE_VALUES",
            "top1_agreement", "greedy_agreement", "channel_profile", "MakeCache", "fresh_cache", "prefill", "prefill_logits", "fill_cache", "greedy"]

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..attention import attention_fidelity, causal_mask, patch_attention, repeat_kv
 
-__all__ = ["capture_qkv", "layer_fidelity", "key_statistics"]
+__all__ = ["capture_qkv", "layer_fidelity", "key_statistics", "position_error"]
 
 
 def recording(model, record: list):
@@ -96,3 +96,35 @@ def key_statistics(captured: list[dict]) -> dict:
         d = mx.linalg.norm(k - mu, axis=-1)                                   # (1, H, T)
         dist.append(mx.mean(d[..., 0] / mx.mean(d[..., 1:], axis=-1)).item())
     return {"sink_mass": mass, "centered_energy": energy, "sink_distance": dist}
+
+
+def position_error(captured: list[dict], cache: list, edges: Sequence[int]) -> dict:
+    """How a cache's error depends on where a token sits: each layer's captured keys and
+    values (``capture_qkv``, keys after RoPE) stored through ``cache`` (a fresh prompt cache
+    of the same model, all layers in order, as a forward pass would) and read back. Per layer
+    and per band of positions [edges[i], edges[i+1]): the mean relative squared error
+    ‖x̂ − x‖² / ‖x‖² of keys and of values, averaged over heads and tokens.
+
+    A codec fitted on short windows sees keys only at the positions it was fitted on; RoPE
+    turns every key pair by an angle proportional to its position, so keys further on have
+    other statistics (Chapter 10). Returns {"edges", "keys": (L, bands), "values": (L, bands)}
+    as nested lists."""
+    import numpy as np
+    edges = [int(e) for e in edges]
+    if len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:])) or edges[0] < 0:
+        raise ValueError(f"edges must be at least two increasing positions ≥ 0, got {edges}")
+    if len(cache) != len(captured):
+        raise ValueError(f"the cache has {len(cache)} layer(s), the capture {len(captured)}: pass the whole prompt cache")
+    T = captured[0]["k"].shape[2]
+    if edges[-1] > T:
+        raise ValueError(f"the last edge {edges[-1]} lies beyond the {T} captured tokens")
+    out = {"edges": edges, "keys": [], "values": []}
+    for layer, c in zip(captured, cache):
+        k, v = layer["k"].astype(mx.float32), layer["v"].astype(mx.float32)
+        k_hat, v_hat = c.update_and_fetch(k, v)
+        for name, x, x_hat in (("keys", k, k_hat), ("values", v, v_hat)):
+            x_hat = x_hat[..., :T, :].astype(mx.float32)
+            rel = np.array(mx.sum((x_hat - x) ** 2, axis=-1) / mx.sum(x * x, axis=-1))   # (1, H, T)
+            per_token = rel.reshape(-1, T).mean(axis=0)
+            out[name].append([float(per_token[a:b].mean()) for a, b in zip(edges, edges[1:])])
+    return out
