@@ -325,5 +325,17 @@ def test_a_profile_cache_warns_once_it_codes_keys_past_its_calibrated_positions(
     with pytest.warns(FittedPositionsWarning, match="positions below 64"):
         model(mx.array([[70]]), cache=twin)                       # position 64: past it
     assert {c.fitted_positions for c in twin} == {None}           # said once, then quiet
+    # a failed update stores nothing and keeps the warning for the update that does
+    past = copy.deepcopy(cache)
+    with pytest.raises(ValueError):
+        past[0].update_and_fetch(mx.zeros((1, 2, 1, 8)), mx.zeros((1, 2, 1, 8)))    # wrong head size
+    assert past[0].fitted_positions == 64
+    # the limit is kept in cache files: a saved conversation continued later still warns
+    path = str(tmp_path / "conversation.safetensors")
+    tq.save_prompt_cache(path, cache)
+    assert {c.fitted_positions for c in tq.load_prompt_cache(path)} == {64}
     # the uncalibrated budgets carry no limit: nothing to warn about
     assert {c.fitted_positions for c in tq.make_prompt_cache(model, bits=4.25)} == {None}
+    # with a BOS before every calibration window, the coders saw one position more
+    with_bos = {**prof, "calibration": {**prof["calibration"], "bos": 1}}
+    assert {c.fitted_positions for c in tq.make_prompt_cache(model, bits=4.25, profile=with_bos)} == {65}

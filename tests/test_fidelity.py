@@ -28,6 +28,11 @@ def test_an_exact_cache_has_no_error_and_a_coded_one_the_codecs_in_every_band(ca
     # 3-bit codec's error (≈ 0.03 at D = 16 … 128), none is exact
     assert np.all(k > 0.005) and np.all(k < 0.1)
     assert k.max() / k.min() < 3
+    # the bands are where they are said to be: 32 exact sink tokens, then codes
+    sunk = position_error(cap, tq.make_prompt_cache(model, key_codec=TurboQuantMSE(16, 3, seed=0), sink_tokens=32),
+                          [0, 32, 96])
+    assert np.all(np.array(sunk["keys"])[:, 0] == 0.0) and np.all(np.array(sunk["keys"])[:, 1] > 0.005)
+    assert np.allclose(np.array(sunk["keys"])[:, 1], k[:, 1:].mean(axis=1), rtol=0.05)
 
 
 def test_bad_bands_and_caches_are_refused(captured):
@@ -36,5 +41,9 @@ def test_bad_bands_and_caches_are_refused(captured):
         position_error(cap, tq.make_prompt_cache(model), [32, 32])
     with pytest.raises(ValueError, match="beyond the 96 captured"):
         position_error(cap, tq.make_prompt_cache(model), [0, 128])
+    used = tq.make_prompt_cache(model)
+    model(mx.array([[1, 2, 3]]), cache=used)
+    with pytest.raises(ValueError, match="empty prompt cache"):
+        position_error(cap, used, [0, 64])
     with pytest.raises(ValueError, match="1 layer\\(s\\), the capture 2"):
         position_error(cap, tq.make_prompt_cache(model)[:1], [0, 64])

@@ -31,7 +31,7 @@ from .codecs.base import Codec
 from .codes import CodeBuffer, CodesView
 
 __all__ = ["CodeBuffer", "CodesView", "TurboQuantKVCache", "TurboQuantRotatingKVCache", "tag_group", "codes_mode",
-           "returning_codes"]
+           "returning_codes", "FittedPositionsWarning"]
 
 def _append(old: Optional[mx.array], new: mx.array) -> mx.array:
     """Concatenate along the token axis (2), ``old`` possibly None."""
@@ -91,7 +91,8 @@ class TurboQuantKVCache(CacheBase):
         self.fit_tokens = check_int("fit_tokens", fit_tokens, 1)
         self._warm: Optional[dict] = None   # while a codec learns: the first tokens, exact (``_learn``)
         self._refit: Optional[dict] = None  # once it has learnt: how, so a trim back into those tokens refits
-        self.fitted_positions: Optional[int] = None   # calibrated coders saw keys only below it (``tag_group``)
+        self.fitted_positions: Optional[int] = None   # calibrated coders saw keys only below it (``tag_group``;
+                                                      # kept in meta_state, so in copies and files)
         self.sink_tokens = sink_tokens
         self.sink_keys = self.sink_values = None
         self.key_codec, self.value_codec = key_codec, value_codec or key_codec
@@ -149,14 +150,15 @@ class TurboQuantKVCache(CacheBase):
         says so on this and every later update, instead of continuing out of step."""
         group = getattr(self, "group", None)
         T = keys.shape[2] if getattr(keys, "ndim", 0) == 4 else 0
-        if self.fitted_positions is not None and self.offset + T > self.fitted_positions:
-            _warn_fitted_positions(self)
         if group is not None and group["broken"]:
             raise ValueError(group["broken"])
         if group is not None:
             self._check_in_step(group, T)
         try:
-            return self._update_and_fetch(keys, values)
+            out = self._update_and_fetch(keys, values)
+            if self.fitted_positions is not None and self.offset > self.fitted_positions:
+                _warn_fitted_positions(self)     # stored a key at position ≥ fitted_positions
+            return out
         except BaseException as e:                  # KeyboardInterrupt too: the layers disagree all the same
             if group is not None:
                 caches = group["caches"]
@@ -502,6 +504,8 @@ class TurboQuantKVCache(CacheBase):
              "offset": self.offset, "dtype": str(self.dtype).split(".")[-1]}
         if self._warm is not None:
             m["learning"] = {n: self._warm[n] for n in ("start", "chunks", "configs", "shared", "fit_from")}
+        if self.fitted_positions is not None:
+            m["fitted_positions"] = self.fitted_positions
         return m
 
     @meta_state.setter
@@ -519,7 +523,8 @@ class TurboQuantKVCache(CacheBase):
             "configs": [dict(c) for c in learning["configs"]], "shared": shared, "k": None, "v": None,
             "fit_from": int(learning["fit_from"])}
         self._refit = None        # how a fitted codec was learnt is kept in memory (and by copies), not in files
-        self.fitted_positions = None   # calibrated coders' positions (``tag_group``): in memory and copies too
+        fitted = m.get("fitted_positions")   # calibrated coders' positions (``tag_group``): kept in files too
+        self.fitted_positions = None if fitted is None else check_int("fitted_positions", fitted, 1)
         self.dtype = getattr(mx, m["dtype"])
 
     @classmethod
@@ -551,7 +556,6 @@ class TurboQuantKVCache(CacheBase):
         new.n_layers = self.n_layers
         refit = self._refit
         new._refit = None if refit is None else {**refit, "configs": [dict(c) for c in refit["configs"]]}
-        new.fitted_positions = self.fitted_positions
         memo[id(self)] = new
         return new
 
@@ -775,16 +779,17 @@ class FittedPositionsWarning(UserWarning):
 
 
 def _warn_fitted_positions(cache: "TurboQuantKVCache") -> None:
-    """Warn that a calibrated cache's coders now code keys past the positions they were
-    fitted on; the cache then forgets the limit (Python shows the warning once per calling
-    line: one warning per prompt cache and process, not one per layer and step)."""
+    """Warn that a calibrated cache's coders now code keys at positions they were not fitted
+    on; this layer's cache then forgets the limit (one warning per layer at most; Python's
+    default filter shows repeats from the same line once)."""
     n, cache.fitted_positions = cache.fitted_positions, None
     warnings.warn(f"turboquant: this cache's coders were calibrated on keys at positions below {n} (the "
-                  f"profile's calibration windows) and now code keys past position {n}. RoPE turns keys by "
-                  "an angle that grows with position, so later keys have other statistics and the profile's "
-                  "key error grows several-fold past the calibrated positions (Chapter 10 measures it). "
+                  f"profile's calibration windows) and now code keys at position {n} or later. RoPE turns keys "
+                  "by an angle that grows with position, so later keys have other statistics and the profile's "
+                  "key error grows many-fold past the calibrated positions (Chapter 10 measures it). "
                   "For longer contexts use the uncalibrated budgets: make_prompt_cache(model, bits=…) "
-                  "without profile.", FittedPositionsWarning, stacklevel=3)
+                  "without profile (on the command line: without --profile).", FittedPositionsWarning,
+                  stacklevel=3)
 
 
 def tag_group(cache: list, fitted_positions: Optional[int] = None) -> list:

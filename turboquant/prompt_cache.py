@@ -40,8 +40,9 @@ def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, mod
     best uncalibrated configuration measured in Chapter 9 (``turboquant.budget``), or with
     ``profile`` (True: the model's own, a dict or a path) the profile's calibrated choice
     (``turboquant.calibration``: one codec per layer). ``bits`` excludes explicit codecs and
-    sinks. Fitted positions: the length of the profile's calibration windows (its coders saw
-    keys only at positions below it), None for the uncalibrated budgets."""
+    sinks. Fitted positions: the profile's coders saw keys only at positions below it (its
+    calibration windows' length, plus one with a BOS before each), None for the uncalibrated
+    budgets."""
     from .budget import codecs_for, pick
     if key_codec is not None or value_codec is not None or sink_tokens:
         raise ValueError("give either bits= or key_codec/value_codec/sink_tokens, not both")
@@ -62,7 +63,8 @@ def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, mod
                 raise ValueError("profile=True: this model has no calibrated profile; run `turboquant calibrate` "
                                  "first, or leave profile out for the uncalibrated budgets")
         keys, values, sinks, _ = profile_codecs(model, prof, bits)
-        return keys, values, sinks, int(prof["calibration"].get("window", WINDOW))
+        cal = prof["calibration"]          # a BOS before each window puts its last key at position `window`
+        return keys, values, sinks, int(cal.get("window", WINDOW)) + (cal.get("bos") is not None)
     choice = pick(bits, dim)
     return (*codecs_for(choice), choice.sink_tokens, None)
 
@@ -124,7 +126,7 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     configuration within ``bits`` instead (transform coders per layer, fitted on the
     profile's calibration text). Calibration pays on text like its calibration text and can
     lose on other domains (Chapter 10 measures how much), so it is not the default. A
-    profile is fitted on 512-token windows: past position 512 its key error grows several-fold
+    profile is fitted on 512-token windows: at later positions its key error grows many-fold
     (RoPE turns keys with their position) and the cache raises a ``FittedPositionsWarning``.
     ``bits`` cannot be combined with ``key_codec``/``value_codec``/``sink_tokens``.
     """

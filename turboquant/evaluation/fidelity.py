@@ -103,7 +103,8 @@ def position_error(captured: list[dict], cache: list, edges: Sequence[int]) -> d
     values (``capture_qkv``, keys after RoPE) stored through ``cache`` (a fresh prompt cache
     of the same model, all layers in order, as a forward pass would) and read back. Per layer
     and per band of positions [edges[i], edges[i+1]): the mean relative squared error
-    ‖x̂ − x‖² / ‖x‖² of keys and of values, averaged over heads and tokens.
+    ‖x̂ − x‖² / ‖x‖² of keys and of values, averaged over heads and tokens. Tokens the cache
+    holds exactly (sink tokens, an ``fp_window``) count with error 0.
 
     A codec fitted on short windows sees keys only at the positions it was fitted on; RoPE
     turns every key pair by an angle proportional to its position, so keys further on have
@@ -113,6 +114,8 @@ def position_error(captured: list[dict], cache: list, edges: Sequence[int]) -> d
     edges = [int(e) for e in edges]
     if len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:])) or edges[0] < 0:
         raise ValueError(f"edges must be at least two increasing positions ≥ 0, got {edges}")
+    if any(getattr(c, "offset", 0) for c in cache):
+        raise ValueError("position_error needs an empty prompt cache (make a fresh one): this one holds tokens")
     if len(cache) != len(captured):
         raise ValueError(f"the cache has {len(cache)} layer(s), the capture {len(captured)}: pass the whole prompt cache")
     T = captured[0]["k"].shape[2]
