@@ -117,7 +117,8 @@ def position_error(captured: list[dict], cache: list, edges: Sequence[int]) -> d
     if any(getattr(c, "offset", 0) for c in cache):
         raise ValueError("position_error needs an empty prompt cache (make a fresh one): this one holds tokens")
     if len(cache) != len(captured):
-        raise ValueError(f"the cache has {len(cache)} layer(s), the capture {len(captured)}: pass the whole prompt cache")
+        raise ValueError(f"the cache has {len(cache)} layer(s), the capture {len(captured)}: "
+                         "pass the whole prompt cache")
     T = captured[0]["k"].shape[2]
     if edges[-1] > T:
         raise ValueError(f"the last edge {edges[-1]} lies beyond the {T} captured tokens")
