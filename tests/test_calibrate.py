@@ -179,6 +179,8 @@ def test_calibrated_configurations_need_another_evaluation_text():
     (["calibrate", "--heldout", "600"], "argument --heldout: must be >= 1024"),
     (["calibrate", "--text", "/no/such/file.txt"], "argument --text: no file /no/such/file.txt"),
     (["calibrate", "--corpus", "books"], "argument --corpus: invalid choice"),
+    (["calibrate", "--positions", "100"], "argument --positions: at least one 512-token window"),
+    (["calibrate", "--positions", "-1"], "argument --positions: must be >= 0"),
 ])
 def test_calibrate_cli_refuses_bad_arguments(argv, message, capsys):
     from turboquant import cli
@@ -314,7 +316,7 @@ def test_a_profile_cache_warns_once_it_codes_keys_past_its_calibrated_positions(
     from turboquant.cache import FittedPositionsWarning
     monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
     window = profile["calibration"]["window"]
-    prof = {**profile, "calibration": {**profile["calibration"], "window": 64}}   # short, so the test is cheap
+    prof = {**profile, "calibration": {**profile["calibration"], "window": 64, "positions": 64}}   # short: cheap
     cache = tq.make_prompt_cache(model, bits=4.25, profile=prof)
     assert window == 512 and {c.fitted_positions for c in cache} == {64}
     with warnings.catch_warnings():
@@ -336,6 +338,115 @@ def test_a_profile_cache_warns_once_it_codes_keys_past_its_calibrated_positions(
     assert {c.fitted_positions for c in tq.load_prompt_cache(path)} == {64}
     # the uncalibrated budgets carry no limit: nothing to warn about
     assert {c.fitted_positions for c in tq.make_prompt_cache(model, bits=4.25)} == {None}
-    # with a BOS before every calibration window, the coders saw one position more
-    with_bos = {**prof, "calibration": {**prof["calibration"], "bos": 1}}
+    # a profile fitted within its windows only (no positions): with a BOS before every
+    # calibration window, the coders saw one position more than the window
+    windowed = {k: v for k, v in prof["calibration"].items() if k != "positions"}
+    with_bos = {**prof, "calibration": {**windowed, "window": 64, "bos": 1}}
     assert {c.fitted_positions for c in tq.make_prompt_cache(model, bits=4.25, profile=with_bos)} == {65}
+
+
+def test_moving_a_key_by_rope_is_the_model_computing_it_at_another_position(model):
+    """phases.move turns a captured key as RoPE would at a later position: layer 0's keys
+    depend on the token and the position only, so the keys of tokens behind a prefix of s
+    tokens equal the same tokens' keys at the start, moved by s. Norms are kept, a move
+    undoes, and a query and key moved together keep their product (relative positions)."""
+    from turboquant.calibration.phases import layer_rope, move
+    from turboquant.evaluation import capture_qkv
+    rope = layer_rope(model, 0)
+    tokens, s = [11, 42, 7, 99, 3], 37
+    k0 = np.array(capture_qkv(model, tokens)[0]["k"][0]).astype(np.float64)            # (2, 5, 16)
+    k_late = np.array(capture_qkv(model, [5] * s + tokens)[0]["k"][0, :, s:]).astype(np.float64)
+    moved = move(k0, np.full(5, s), rope)
+    assert np.abs(moved - k_late).max() < 1e-5 * np.abs(k_late).max()
+    assert not np.allclose(k0, k_late, atol=1e-3)                  # the test can see a position change
+    assert np.allclose(np.linalg.norm(moved, axis=-1), np.linalg.norm(k0, axis=-1), rtol=1e-5)
+    shift = np.array([-3000, 5, 900, -1, 2047])
+    assert np.allclose(move(move(k0, shift, rope), -shift, rope), k0, atol=1e-5)
+    # one shift per vector: each vector turned by its own, as RoPE alone would turn it
+    each = move(k0, shift, rope)
+    for n, d in enumerate(shift):
+        alone = np.array(rope(mx.array(k0[None, :, n:n + 1].astype(np.float32)), offset=int(d)))[0, :, 0]
+        assert np.allclose(each[:, n], alone, atol=1e-5)
+    q = np.random.default_rng(1).standard_normal(k0.shape)
+    assert np.allclose(np.sum(move(q, shift, rope) * move(k0, shift, rope), -1), np.sum(q * k0, -1), atol=1e-4)
+    with pytest.raises(ValueError, match="one shift per vector"):
+        move(k0, shift[:3], rope)
+
+
+def test_a_rope_that_is_not_a_rotation_is_refused(model):
+    from turboquant.calibration.phases import layer_rope
+
+    class Scaled:
+        dims = 16
+
+        def __call__(self, x, offset=0):
+            return 2.0 * x
+    attn = model.layers[0].self_attn
+    original = attn.rope
+    try:
+        attn.rope = Scaled()
+        with pytest.raises(ValueError, match="not a rotation linear in the position"):
+            layer_rope(model, 0)
+    finally:
+        attn.rope = original
+    with pytest.raises(ValueError, match="layer 5"):
+        layer_rope(model, 5)
+
+
+def test_phase_complete_statistics_spread_keys_over_the_context(model):
+    """capture_statistics(positions=C): the same keys (norms kept), each turned by the
+    layer's RoPE from its position in the window to the one drawn for its token; values
+    untouched; the query metric changes; the same seed gives the same statistics, another
+    seed others."""
+    ids = ByteTokenizer().encode(TEXT)[:1024]
+    plain = cal.capture_statistics(model, ids, sink=1)
+    spread = cal.capture_statistics(model, ids, sink=1, positions=4096)
+    assert np.array_equal(spread[1]["v"], plain[1]["v"])
+    assert np.allclose(np.linalg.norm(spread[1]["k"], axis=-1), np.linalg.norm(plain[1]["k"], axis=-1), rtol=1e-5)
+    from turboquant.calibration.phases import layer_rope, move
+    n = 511                                       # window 0: tokens at positions 1 … 511 (the sink left out)
+    drawn = np.random.default_rng([0, 0]).integers(0, 4096, size=n)
+    expect = move(plain[1]["k"][:, :n], drawn - np.arange(1, n + 1), layer_rope(model, 1))
+    assert np.allclose(spread[1]["k"][:, :n], expect, atol=1e-6)
+    assert not np.allclose(spread[1]["metric"], plain[1]["metric"], rtol=1e-2)
+    again = cal.capture_statistics(model, ids, sink=1, positions=4096)
+    assert all(np.array_equal(a[n], b[n]) for a, b in zip(spread, again) for n in ("k", "metric"))
+    other = cal.capture_statistics(model, ids, sink=1, positions=4096, seed=1)
+    assert not np.allclose(other[1]["k"], spread[1]["k"])
+    # the queries: moved with their token's draw, then the metric of the moved ones
+    from turboquant.evaluation import capture_qkv
+    one = ids[:512]
+    q = np.array(capture_qkv(model, [3] + one)[1]["q"][0, :, 2:]).astype(np.float64)     # BOS and sink left out
+    moved = move(q, np.random.default_rng([0, 0]).integers(0, 4096, size=511) - np.arange(2, 513),
+                 layer_rope(model, 1))
+    with_bos = cal.capture_statistics(model, one, bos=3, sink=1, positions=4096)
+    for h in range(2):
+        g = moved[2 * h:2 * h + 2].reshape(-1, 16)
+        assert np.allclose(with_bos[1]["metric"][h], g.T @ g / len(g), rtol=1e-4, atol=1e-8)
+    with pytest.raises(ValueError, match="positions must be a context length"):
+        cal.capture_statistics(model, ids, positions=100)
+
+
+def test_a_profile_fitted_over_the_context_holds_past_its_windows(model, tmp_path, monkeypatch):
+    """calibrate spreads the keys over the model's context by default and records it; the
+    profile's caches then claim every position below it (no warning within), an old
+    profile without positions claims one window; a damaged positions field is refused."""
+    monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
+    prof = cal.calibrate(model, ByteTokenizer(), [4.25], name="tiny", corpus="test text", text=TEXT,
+                         windows=1, heldout=1024, progress=False)
+    assert prof["calibration"]["positions"] == cal.context_length(model) == 4096
+    assert cal.fitted_positions(prof) == 4096
+    assert {c.fitted_positions for c in tq.make_prompt_cache(model, bits=4.25, profile=prof)} == {4096}
+    old = {**prof, "calibration": {k: v for k, v in prof["calibration"].items() if k != "positions"}}
+    assert cal.fitted_positions(old) == 512
+    # the same choice fitted within the windows: other coders (never the spread ones, kept on disk)
+    spread_keys, _, _, _ = cal.profile_codecs(model, prof, 4.25)
+    cal.clear_memo()
+    window_keys, _, _, _ = cal.profile_codecs(model, old, 4.25)
+    assert not np.allclose(np.array(spread_keys[0].config()["transform"]), np.array(window_keys[0].config()["transform"]))
+    path = tmp_path / "p.json"
+    for field, bad in (("positions", 100), ("positions", True), ("positions", "4096"), ("positions", 2 ** 31),
+                       ("phase_seed", -1), ("phase_seed", 1.5), ("window", "512")):
+        cal.save_profile({**prof, "calibration": {**prof["calibration"], field: bad}}, path)
+        with pytest.raises(ValueError, match=f"calibration {field}"):
+            cal.load_profile(path)

@@ -85,7 +85,7 @@ def test_budget_cache_is_centered_with_a_sink_and_within_budget(smol, wiki):
 def test_the_shipped_profile_gives_calibrated_codecs_that_hold_on_other_text(smol):
     """SmolLM2's profile (calibrated on Wikipedia, asked for with profile=True) on news text
     it never saw: a 4.25-bit cache of per-layer transform coders, within 3 % of fp32 on 1024
-    tokens (Chapter 10 measures it on four kinds of text, and where it loses: 3.25 bits on code)."""
+    tokens (Chapter 10 measures it on four kinds of text, and where it loses)."""
     from turboquant.codecs.transform import TransformCoder
     from turboquant.data import load_text
     model, tok = smol

@@ -783,20 +783,20 @@ def _warn_fitted_positions(cache: "TurboQuantKVCache") -> None:
     on; this layer's cache then forgets the limit (one warning per layer at most; Python's
     default filter shows repeats from the same line once)."""
     n, cache.fitted_positions = cache.fitted_positions, None
-    warnings.warn(f"turboquant: this cache's coders were calibrated on keys at positions below {n} (the "
-                  f"profile's calibration windows) and now code keys at position {n} or later. RoPE turns keys "
-                  "by an angle that grows with position, so later keys have other statistics and the profile's "
-                  "key error grows many-fold past the calibrated positions (Chapter 10 measures it). "
-                  "For longer contexts use the uncalibrated budgets: make_prompt_cache(model, bits=…) "
-                  "without profile (on the command line: without --profile).", FittedPositionsWarning,
-                  stacklevel=3)
+    warnings.warn(f"turboquant: this cache's coders were calibrated on keys at positions below {n} "
+                  f"(the positions its profile was fitted for) and now code keys at position {n} or later. "
+                  "RoPE turns keys by an angle that grows with position, so later keys have other statistics "
+                  "and a profile's key error grows many-fold past the positions it was fitted for (Chapter 10 "
+                  "measures it). Re-calibrate over the positions you serve (turboquant calibrate --positions N) "
+                  "or use the uncalibrated budgets: make_prompt_cache(model, bits=…) without profile (on the "
+                  "command line: without --profile).", FittedPositionsWarning, stacklevel=3)
 
 
 def tag_group(cache: list, fitted_positions: Optional[int] = None) -> list:
     """Tell each TurboQuant cache the length of its list (``codes_attention`` checks it
     against the model's layers) and the group it belongs to (a failed forward pass marks the
     whole group unusable: ``TurboQuantKVCache.update_and_fetch``). ``fitted_positions``: the
-    coders were calibrated on keys at positions below it (a profile's windows); storing a
+    coders were calibrated on keys at positions below it (``calibration.fitted_positions``); storing a
     token at or past it raises a ``FittedPositionsWarning``."""
     group = {"caches": [c for c in cache if isinstance(c, TurboQuantKVCache)], "broken": None}
     for i, c in enumerate(group["caches"]):

@@ -172,7 +172,7 @@ def _cache_arguments(p) -> None:
     g.add_argument("--profile", nargs="?", const=True, default=None, metavar="PATH",
                    help="with --bits (default 4.25): the model's calibrated profile (or the profile file PATH) instead of the "
                         "uncalibrated budgets; it helps on text like its calibration text and can lose on "
-                        "other domains, and past the 512 positions it was calibrated on (Chapter 10)")
+                        "other domains (Chapter 10)")
     g.add_argument("--key-bits", type=_int_in(1, 8), default=None, help="TurboQuant_mse bits for keys (1..8)")
     g.add_argument("--value-bits", type=_int_in(1, 8), default=None, help="TurboQuant_mse bits for values (1..8)")
     g.add_argument("--codec", default=None, help="a codec config as JSON, or a JSON file (keys and values)")
@@ -191,15 +191,25 @@ def _calibrate(args) -> int:
         if not path.is_file():
             args.parser.error(f"argument --text: no file {path}")
         text = path.read_text(encoding="utf-8", errors="strict")
+    from .calibration import WINDOW
+    if args.positions and not WINDOW <= args.positions < 2 ** 31:
+        args.parser.error(f"argument --positions: at least one {WINDOW}-token window (and below 2**31), or 0, "
+                          f"got {args.positions}")
     model, tok = load(args.model)
     name = args.model if args.name is None else args.name
     prof = calibrate(model, tok, args.budgets, name=name, corpus=args.corpus if text is None else str(args.text),
-                     text=text, windows=args.windows, heldout=args.heldout, progress=not args.quiet)
+                     text=text, windows=args.windows, heldout=args.heldout,
+                     positions="context" if args.positions is None else args.positions or None,
+                     progress=not args.quiet)
     print(f"{'budget':>6} {'keys':>5} {'values':>6} {'outliers':>8} {'bits':>6} {'Δppl % (held-out calibration text)':>36}")
     for e in prof["budgets"]:
         c = e["choice"]
         print(f"{e['budget']:>6g} {c['key_bits']:>5g} {c['value_bits']:>6g} {c['outliers']:>8d} {e['bits']:>6.3f} "
               f"{100 * e['ppl_increase']:>+36.2f}")
+    from .calibration import fitted_positions
+    print(f"fitted for positions below {fitted_positions(prof):,}"
+          + (" (the model's context: keys and queries spread over it by RoPE)" if prof["calibration"].get("positions")
+             else " (one calibration window: --positions 0)"))
     default = profile_path(name)
     out = save_profile(prof, args.out or default)
     if out.resolve().parent == default.resolve().parent:
@@ -620,6 +630,10 @@ def main(argv=None) -> int:
     c.add_argument("--heldout", type=_int_at_least(1024), default=8192,
                    help="calibration-text tokens (after the windows) that choose between candidates: at least "
                         "two 512-token windows, the unit of the paired interval")
+    c.add_argument("--positions", type=_int_at_least(0), default=None,
+                   help="fit keys as if spread over this many positions (default: the model's context length), "
+                        "so the profile holds at every position below it; 0: only where the 512-token windows "
+                        "put them (the profile then holds within one window)")
     c.add_argument("--name", default=None, help="the profile's name (default: --model)")
     c.add_argument("--out", default=None, help="where to write the profile (default: $TURBOQUANT_CACHE/profiles/NAME.json)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")

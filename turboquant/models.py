@@ -48,7 +48,7 @@ def tiny_model(kind: str = "llama", seed: int = 0, num_layers: int = 4, hidden_s
             model_type="llama", hidden_size=hidden_size, num_hidden_layers=num_layers,
             intermediate_size=2 * hidden_size, num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads, rms_norm_eps=1e-5, vocab_size=vocab_size,
-            rope_theta=10000.0, tie_word_embeddings=True)
+            rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096)
     elif kind == "gemma3":
         from mlx_lm.models import gemma3_text as arch
         args = arch.ModelArgs(

@@ -40,9 +40,8 @@ def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, mod
     best uncalibrated configuration measured in Chapter 9 (``turboquant.budget``), or with
     ``profile`` (True: the model's own, a dict or a path) the profile's calibrated choice
     (``turboquant.calibration``: one codec per layer). ``bits`` excludes explicit codecs and
-    sinks. Fitted positions: the profile's coders saw keys only at positions below it (its
-    calibration windows' length, plus one with a BOS before each), None for the uncalibrated
-    budgets."""
+    sinks. Fitted positions: the profile's coders saw keys only at positions below it
+    (``calibration.fitted_positions``), None for the uncalibrated budgets."""
     from .budget import codecs_for, pick
     if key_codec is not None or value_codec is not None or sink_tokens:
         raise ValueError("give either bits= or key_codec/value_codec/sink_tokens, not both")
@@ -51,8 +50,7 @@ def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, mod
     if bits != bits or bits <= 0:
         raise ValueError(f"bits must be a positive number of bits per coordinate, got {bits!r}")
     if model is not None and profile is not None and profile is not False:
-        from .calibration.profiles import find_profile, load_profile
-        from .calibration.fitting import WINDOW
+        from .calibration.profiles import find_profile, fitted_positions, load_profile
         from .calibration.store import profile_codecs
         prof = profile
         if isinstance(prof, (str, os.PathLike)):
@@ -63,8 +61,7 @@ def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, mod
                 raise ValueError("profile=True: this model has no calibrated profile; run `turboquant calibrate` "
                                  "first, or leave profile out for the uncalibrated budgets")
         keys, values, sinks, _ = profile_codecs(model, prof, bits)
-        cal = prof["calibration"]          # a BOS before each window puts its last key at position `window`
-        return keys, values, sinks, int(cal.get("window", WINDOW)) + (cal.get("bos") is not None)
+        return keys, values, sinks, fitted_positions(prof)
     choice = pick(bits, dim)
     return (*codecs_for(choice), choice.sink_tokens, None)
 
@@ -126,8 +123,10 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     configuration within ``bits`` instead (transform coders per layer, fitted on the
     profile's calibration text). Calibration pays on text like its calibration text and can
     lose on other domains (Chapter 10 measures how much), so it is not the default. A
-    profile is fitted on 512-token windows: at later positions its key error grows many-fold
-    (RoPE turns keys with their position) and the cache raises a ``FittedPositionsWarning``.
+    profile's coders are fitted for positions below ``calibration.fitted_positions`` (the
+    shipped profiles: the model's whole context; profiles written before that, one 512-token
+    window); past it their key error grows many-fold (RoPE turns keys with their position)
+    and the cache raises a ``FittedPositionsWarning``.
     ``bits`` cannot be combined with ``key_codec``/``value_codec``/``sink_tokens``.
     """
     if max_kv_size is not None:

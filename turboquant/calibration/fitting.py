@@ -72,23 +72,36 @@ def output_metric(model, layer: int, n_kv_heads: int, head_dim: int) -> np.ndarr
 
 
 def capture_statistics(model, ids: Sequence[int], bos: Optional[int] = None, window: int = WINDOW,
-                       sink: int = 1, progress: bool = False) -> list[dict]:
+                       sink: int = 1, positions: Optional[int] = None, seed: int = 0,
+                       progress: bool = False) -> list[dict]:
     """Per layer {"k", "v": (H, N, D) float64, "metric", "value_metric": (H, D, D)} from the
     model run on consecutive windows of ``ids`` (each preceded by ``bos`` if given), the
     first ``sink`` positions of each window (and the BOS) left out. "metric" is E[q qᵀ]
     over the query heads that read each kv head (grouped-query attention);
-    "value_metric" is ``output_metric`` (None where the model has no ``o_proj``)."""
+    "value_metric" is ``output_metric`` (None where the model has no ``o_proj``).
+    With ``positions`` (a context length), every captured key and query is moved by the
+    layer's RoPE to a position drawn uniformly from [0, positions) (``phases.spread``,
+    seeded by ``seed`` and the window): statistics that hold at every position below it,
+    not only within the window (Chapter 10, "Past the calibrated positions")."""
     from ..evaluation import capture_qkv
+    from .phases import layer_rope, spread
     ids = [int(i) for i in ids]
     n_win = len(ids) // window
     if n_win < 1:
         raise ValueError(f"calibration needs at least one window of {window} tokens, got {len(ids)}")
+    if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int)
+                                  or not window <= positions < 2 ** 31):
+        raise ValueError(f"positions must be a context length of at least the window ({window}) and below 2**31, "
+                         f"or None (fit where the windows put the keys), got {positions!r}")
     head = [] if bos is None else [int(bos)]
     skip = len(head) + sink
+    ropes = None if positions is None else [layer_rope(model, i) for i in range(len(model.layers))]
     acc = None
     for w in progress_bar(range(n_win), n_win, "capture", progress):
         cap = capture_qkv(model, head + ids[w * window:(w + 1) * window])
         part = [{n: np.array(layer[n][0, :, skip:]).astype(np.float64) for n in "qkv"} for layer in cap]
+        if ropes is not None:
+            spread(part, ropes, skip, positions, np.random.default_rng([seed, w]))
         acc = [[p] for p in part] if acc is None else [a + [p] for a, p in zip(acc, part)]
     stats = []
     for parts in acc:

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from .fitting import WINDOW, Choice, signature
 
-__all__ = ["profile_path", "shipped_profiles", "find_profile", "load_profile", "save_profile", "profile_entry",
+__all__ = ["fitted_positions", "profile_path", "shipped_profiles", "find_profile", "load_profile", "save_profile", "profile_entry",
            "ids_digest", "PROFILE_FORMAT", "PROFILE_VERSION", "SHIPPED"]
 
 PROFILE_FORMAT = "turboquant-profile"
@@ -67,6 +67,15 @@ def load_profile(path) -> dict:
         raise ValueError(f"{path}: calibration ids missing or malformed")
     if ids_digest(ids) != cal.get("sha256"):
         raise ValueError(f"{path}: calibration ids do not match their checksum (damaged file?)")
+    window = cal.get("window", WINDOW)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{path}: calibration window {window!r} is not a positive integer")
+    pos = cal.get("positions")
+    if pos is not None and (isinstance(pos, bool) or not isinstance(pos, int) or not window <= pos < 2 ** 31):
+        raise ValueError(f"{path}: calibration positions {pos!r} is not a context length of at least the window")
+    seed = cal.get("phase_seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"{path}: calibration phase_seed {seed!r} is not a non-negative integer")
     if not isinstance(p.get("budgets"), list) or not p["budgets"]:
         raise ValueError(f"{path}: no budgets")
     fields = {"key_bits": (int, float), "value_bits": (int, float), "outliers": (int,), "sink_tokens": (int,)}
@@ -79,6 +88,16 @@ def load_profile(path) -> dict:
     if not isinstance(p.get("signature"), dict):
         raise ValueError(f"{path}: no model signature")
     return p
+
+
+def fitted_positions(profile: dict) -> int:
+    """Positions below which the profile's coders saw keys: its ``positions`` (keys and
+    queries were spread over the context, ``phases``), else the calibration window (plus
+    one with a BOS before each window: its last key sits at position ``window``)."""
+    cal = profile["calibration"]
+    if cal.get("positions") is not None:
+        return int(cal["positions"])
+    return int(cal.get("window", WINDOW)) + (cal.get("bos") is not None)
 
 
 def find_profile(model) -> Optional[dict]:

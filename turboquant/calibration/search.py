@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
+from .phases import context_length
 from .fitting import WINDOW, Choice, capture_statistics, fit_layers, signature
 from .profiles import PROFILE_FORMAT, PROFILE_VERSION, ids_digest
 
@@ -54,11 +55,14 @@ def choose(tried: list[dict], ref_nll: list[float], n: list[int], n_boot: int = 
 
 def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: str = "wikipedia",
               text: Optional[str] = None, windows: int = 8, heldout: int = 8192,
-              progress: bool = True) -> dict:
+              positions: Union[int, str, None] = "context", progress: bool = True) -> dict:
     """A profile: for each budget (bits per coordinate), the candidate ``choose`` takes on
     ``heldout`` tokens of the calibration text that follow the ``windows`` calibration
     windows (scored in 512-token windows: the unit of the paired bootstrap). ``text``
-    replaces the corpus (``corpus`` then names it)."""
+    replaces the corpus (``corpus`` then names it). ``positions``: the keys and queries
+    are fitted as if spread over that many positions (``phases``; "context": the model's
+    own context length), so the profile holds at every position below it; None fits them
+    where the windows put them, and the profile then holds only within one window."""
     from ..data import load_text
     from ..evaluation import bos_id, encode_text, perplexity
     from ..memory import geometry_from_model
@@ -70,8 +74,10 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
     source = text if text is not None else load_text(corpus)
     ids = encode_text(tokenizer, source, windows * WINDOW + heldout)
     cal, held = ids[:windows * WINDOW], ids[windows * WINDOW:]
+    if positions == "context":
+        positions = context_length(model)
     t0 = time.time()
-    stats = capture_statistics(model, cal, bos=bos, progress=progress)
+    stats = capture_statistics(model, cal, bos=bos, positions=positions, progress=progress)
     if len(held) < heldout or heldout < 2 * WINDOW:
         raise ValueError(f"the calibration text has {len(ids)} tokens: {windows} windows of {WINDOW} and "
                          f"{heldout} held-out tokens (at least two windows, for an interval) are needed")
@@ -100,7 +106,7 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
                         "candidates": tried})
     return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": name, "signature": signature(model),
             "calibration": {"corpus": corpus, "windows": windows, "window": WINDOW, "bos": bos, "sink": 1,
-                            "ids": cal, "sha256": ids_digest(cal)},
+                            "positions": positions, "phase_seed": 0, "ids": cal, "sha256": ids_digest(cal)},
             "heldout": {"tokens": len(held), "fp32_ppl": ref, "window": WINDOW, "fp32_per_window": ref_nll,
                         "n_per_window": n,
                         "rule": "the default (first candidate) unless another's paired 95 % interval of "

@@ -39,7 +39,8 @@ def profile_codecs(model, profile: dict, bits: float, progress: bool = False):
         clear_memo()
         _MEMO["model"] = weakref.ref(model)
     cal = profile["calibration"]
-    skey = json.dumps({k: cal.get(k) for k in ("sha256", "bos", "window", "sink")}, sort_keys=True)
+    fields = ("sha256", "bos", "window", "sink") + (("positions", "phase_seed") if cal.get("positions") else ())
+    skey = json.dumps({k: cal.get(k) for k in fields}, sort_keys=True)   # a windows-only profile: its old key
     ckey = skey + json.dumps(asdict(choice), sort_keys=True)
     if ckey not in _MEMO["codecs"]:
         stored = coder_store_path(model, ckey)
@@ -48,7 +49,8 @@ def profile_codecs(model, profile: dict, bits: float, progress: bool = False):
             if skey not in _MEMO["stats"]:
                 _MEMO["stats"][skey] = capture_statistics(model, cal["ids"], bos=cal.get("bos"),
                                                           window=cal.get("window", WINDOW), sink=cal.get("sink", 1),
-                                                          progress=progress)
+                                                          positions=cal.get("positions"),
+                                                          seed=cal.get("phase_seed", 0), progress=progress)
             coders = fit_layers(_MEMO["stats"][skey], choice.key_bits, choice.value_bits, choice.outliers,
                                 progress=progress)
             _write_coders(stored, coders)
