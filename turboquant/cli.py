@@ -192,7 +192,8 @@ def _calibrate(args) -> int:
             args.parser.error(f"argument --text: no file {path}")
         text = path.read_text(encoding="utf-8", errors="strict")
     from .calibration import WINDOW
-    if args.positions and not WINDOW <= args.positions < 2 ** 31:
+    from .calibration.phases import valid_positions
+    if args.positions and not valid_positions(args.positions, WINDOW):
         args.parser.error(f"argument --positions: at least one {WINDOW}-token window (and below 2**31), or 0, "
                           f"got {args.positions}")
     model, tok = load(args.model)

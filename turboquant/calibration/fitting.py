@@ -84,13 +84,12 @@ def capture_statistics(model, ids: Sequence[int], bos: Optional[int] = None, win
     seeded by ``seed`` and the window): statistics that hold at every position below it,
     not only within the window (Chapter 10, "Past the calibrated positions")."""
     from ..evaluation import capture_qkv
-    from .phases import layer_rope, spread
+    from .phases import layer_rope, spread, valid_positions
     ids = [int(i) for i in ids]
     n_win = len(ids) // window
     if n_win < 1:
         raise ValueError(f"calibration needs at least one window of {window} tokens, got {len(ids)}")
-    if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int)
-                                  or not window <= positions < 2 ** 31):
+    if positions is not None and not valid_positions(positions, window):
         raise ValueError(f"positions must be a context length of at least the window ({window}) and below 2**31, "
                          f"or None (fit where the windows put the keys), got {positions!r}")
     head = [] if bos is None else [int(bos)]

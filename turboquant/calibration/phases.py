@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["context_length", "layer_rope", "move", "spread"]
+__all__ = ["context_length", "layer_rope", "move", "spread", "valid_positions"]
 
 _CHUNK = 4096                     # vectors moved per call: bounded memory for long captures
+
+
+def valid_positions(positions, window: int) -> bool:
+    """Whether ``positions`` can be a profile's context: an integer from one calibration
+    window up to 2³¹ (the shifts ``move`` hands RoPE are int32). The one rule the
+    statistics, the profile files and the command line check."""
+    return not isinstance(positions, bool) and isinstance(positions, int) and window <= positions < 2 ** 31
 
 
 def context_length(model) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .fitting import WINDOW, Choice, signature
+from .phases import valid_positions
 
 __all__ = ["fitted_positions", "profile_path", "shipped_profiles", "find_profile", "load_profile", "save_profile", "profile_entry",
            "ids_digest", "PROFILE_FORMAT", "PROFILE_VERSION", "SHIPPED"]
@@ -71,7 +72,7 @@ def load_profile(path) -> dict:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"{path}: calibration window {window!r} is not a positive integer")
     pos = cal.get("positions")
-    if pos is not None and (isinstance(pos, bool) or not isinstance(pos, int) or not window <= pos < 2 ** 31):
+    if pos is not None and not valid_positions(pos, window):
         raise ValueError(f"{path}: calibration positions {pos!r} is not a context length of at least the window")
     seed = cal.get("phase_seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
