@@ -100,6 +100,34 @@ def test_the_default_candidate_gives_way_only_to_one_established_better():
     assert t[1]["vs_default"]["hi"] < 0 and t[0]["vs_default"]["value"] == 0.0
 
 
+def test_a_candidate_that_cannot_code_the_heldout_text_is_refused_not_fatal(model, monkeypatch):
+    """A candidate whose coders meet a held-out vector beyond their range (``OutOfRangeError``,
+    as Qwen2.5's keys did without an exact outlier) is recorded as refused and left out of the
+    choice; the others are still scored. ``choose`` skips refused entries and will not go on
+    without the default."""
+    from turboquant import evaluation
+    from turboquant.calibration import search
+    from turboquant.codecs.transform import OutOfRangeError
+    fitted, real = [], evaluation.perplexity
+    monkeypatch.setattr(search, "fit_layers", lambda stats, kb, vb, outliers: fitted.append(outliers)
+                        or cal.fit_layers(stats, kb, vb, outliers))
+
+    def perplexity(model, ids, factory, **kw):
+        if factory is not None and fitted[-1] == 0:
+            raise OutOfRangeError("a vector has 1 coefficient(s) beyond 16x the range")
+        return real(model, ids, factory, **kw)
+    monkeypatch.setattr(evaluation, "perplexity", perplexity)
+    prof = cal.calibrate(model, ByteTokenizer(), [4.25], name="tiny", corpus="test text", text=TEXT,
+                         windows=1, heldout=1024, progress=False)
+    (entry,) = prof["budgets"]
+    refused = [c for c in entry["candidates"] if "refused" in c]
+    assert [c["choice"]["outliers"] for c in refused] == [0] and "beyond 16x" in refused[0]["refused"]
+    assert entry["choice"]["outliers"] == 1 and len(entry["candidates"]) == len(cal.candidates(4.25, 16))
+    assert all("vs_default" in c for c in entry["candidates"] if "refused" not in c)
+    with pytest.raises(ValueError, match="the default candidate .* cannot be calibrated"):
+        cal.choose([{"choice": {}, "refused": "beyond"}, {"per_window": [1.0], "ppl": 1.0}], [1.0], [1])
+
+
 def test_make_prompt_cache_uses_the_profile(model, profile, tmp_path, monkeypatch):
     monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
     path = cal.save_profile(profile, cal.profile_path("tiny"))
@@ -343,6 +371,43 @@ def test_a_profile_cache_warns_once_it_codes_keys_past_its_calibrated_positions(
     windowed = {k: v for k, v in prof["calibration"].items() if k != "positions"}
     with_bos = {**prof, "calibration": {**windowed, "window": 64, "bos": 1}}
     assert {c.fitted_positions for c in tq.make_prompt_cache(model, bits=4.25, profile=with_bos)} == {65}
+
+
+def test_key_coders_carry_the_positions_they_were_fitted_for_wherever_they_are_used(model, tmp_path):
+    """The limit lives in the key coder (``TransformCoder.positions``), not in the profile:
+    coders fitted by hand from windows-only statistics carry one window (one more with a
+    BOS), spread statistics their context; values carry none; a cache built by hand from
+    them warns past it, copies and files keep it, and the configuration rebuilds it."""
+    import warnings
+
+    from turboquant.cache import FittedPositionsWarning, TurboQuantKVCache, tag_group
+    from turboquant.codecs.base import from_config
+    ids = ByteTokenizer().encode(TEXT)[:128]
+    plain = cal.capture_statistics(model, ids, window=64)
+    assert {s["positions"] for s in plain} == {64}
+    assert {s["positions"] for s in cal.capture_statistics(model, ids, window=64, bos=1)} == {65}
+    assert {s["positions"] for s in cal.capture_statistics(model, ids, window=64, positions=4096)} == {4096}
+    keys, values = cal.fit_layers(plain, 4.0, 4.0)
+    assert {k.positions for k in keys} == {64} and {v.positions for v in values} == {None}
+    assert "positions=64" in repr(keys[0]) and "positions" not in values[0].config()
+    again = from_config(keys[0].config())
+    assert again == keys[0] and again.positions == 64
+    legacy = {k: v for k, v in keys[0].config().items() if k != "positions"}    # written before positions
+    assert from_config(legacy).positions is None and from_config(legacy) != keys[0]
+    with pytest.raises(ValueError, match="positions"):
+        from_config({**keys[0].config(), "positions": 0})
+    cache = tag_group([TurboQuantKVCache(k, v, sink_tokens=1) for k, v in zip(keys, values)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FittedPositionsWarning)
+        model(mx.array([list(range(5, 69))]), cache=cache)       # positions 0 … 63
+    path = str(tmp_path / "hand.safetensors")
+    tq.save_prompt_cache(path, cache)
+    with pytest.warns(FittedPositionsWarning, match="positions below 64"):
+        model(mx.array([[70]]), cache=tq.load_prompt_cache(path))
+    with pytest.warns(FittedPositionsWarning):
+        model(mx.array([[70]]), cache=cache)
+    tq.save_prompt_cache(path, cache)                            # warned: the file says so, no repeat
+    assert {c.fitted_positions for c in tq.load_prompt_cache(path)} == {None}
 
 
 def test_moving_a_key_by_rope_is_the_model_computing_it_at_another_position(model):

@@ -91,11 +91,12 @@ class TurboQuantKVCache(CacheBase):
         self.fit_tokens = check_int("fit_tokens", fit_tokens, 1)
         self._warm: Optional[dict] = None   # while a codec learns: the first tokens, exact (``_learn``)
         self._refit: Optional[dict] = None  # once it has learnt: how, so a trim back into those tokens refits
-        self.fitted_positions: Optional[int] = None   # calibrated coders saw keys only below it (``tag_group``;
-                                                      # kept in meta_state, so in copies and files)
         self.sink_tokens = sink_tokens
         self.sink_keys = self.sink_values = None
         self.key_codec, self.value_codec = key_codec, value_codec or key_codec
+        # a calibrated key coder saw keys only below this position (``TransformCoder.positions``);
+        # None once the warning was given (kept in meta_state, so in copies and files)
+        self.fitted_positions: Optional[int] = getattr(key_codec, "positions", None)
         self.fp_window = fp_window
         self.key_codes: Optional[CodeBuffer] = None
         self.value_codes: Optional[CodeBuffer] = None
@@ -504,8 +505,8 @@ class TurboQuantKVCache(CacheBase):
              "offset": self.offset, "dtype": str(self.dtype).split(".")[-1]}
         if self._warm is not None:
             m["learning"] = {n: self._warm[n] for n in ("start", "chunks", "configs", "shared", "fit_from")}
-        if self.fitted_positions is not None:
-            m["fitted_positions"] = self.fitted_positions
+        if getattr(self.key_codec, "positions", None) is not None or self.fitted_positions is not None:
+            m["fitted_positions"] = self.fitted_positions       # None: already warned
         return m
 
     @meta_state.setter
@@ -523,7 +524,7 @@ class TurboQuantKVCache(CacheBase):
             "configs": [dict(c) for c in learning["configs"]], "shared": shared, "k": None, "v": None,
             "fit_from": int(learning["fit_from"])}
         self._refit = None        # how a fitted codec was learnt is kept in memory (and by copies), not in files
-        fitted = m.get("fitted_positions")   # calibrated coders' positions (``tag_group``): kept in files too
+        fitted = m.get("fitted_positions", getattr(self.key_codec, "positions", None))   # None: warned
         self.fitted_positions = None if fitted is None else check_int("fitted_positions", fitted, 1)
         self.dtype = getattr(mx, m["dtype"])
 
@@ -783,8 +784,9 @@ def _warn_fitted_positions(cache: "TurboQuantKVCache") -> None:
     on; this layer's cache then forgets the limit (one warning per layer at most; Python's
     default filter shows repeats from the same line once)."""
     n, cache.fitted_positions = cache.fitted_positions, None
-    warnings.warn(f"turboquant: this cache's coders were calibrated on keys at positions below {n} "
-                  f"(the positions its profile was fitted for) and now code keys at position {n} or later. "
+    warnings.warn(f"turboquant: this cache's key coder was calibrated on keys at positions below {n} "
+                  f"(TransformCoder.positions: where its profile put them) and now codes keys at position {n} "
+                  "or later. "
                   "RoPE turns keys by an angle that grows with position, so later keys have other statistics "
                   "and a profile's key error grows many-fold past the positions it was fitted for (Chapter 10 "
                   "measures it). Re-calibrate over the positions you serve (turboquant calibrate --positions N) "
@@ -792,15 +794,11 @@ def _warn_fitted_positions(cache: "TurboQuantKVCache") -> None:
                   "command line: without --profile).", FittedPositionsWarning, stacklevel=3)
 
 
-def tag_group(cache: list, fitted_positions: Optional[int] = None) -> list:
+def tag_group(cache: list) -> list:
     """Tell each TurboQuant cache the length of its list (``codes_attention`` checks it
     against the model's layers) and the group it belongs to (a failed forward pass marks the
-    whole group unusable: ``TurboQuantKVCache.update_and_fetch``). ``fitted_positions``: the
-    coders were calibrated on keys at positions below it (``calibration.fitted_positions``); storing a
-    token at or past it raises a ``FittedPositionsWarning``."""
+    whole group unusable: ``TurboQuantKVCache.update_and_fetch``)."""
     group = {"caches": [c for c in cache if isinstance(c, TurboQuantKVCache)], "broken": None}
     for i, c in enumerate(group["caches"]):
         c.n_layers, c.group, c.group_index = len(cache), group, i
-        if fitted_positions is not None:
-            c.fitted_positions = fitted_positions
     return cache

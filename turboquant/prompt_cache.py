@@ -36,12 +36,12 @@ def _head_dim(model) -> int:
 
 
 def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, model=None, profile=None):
-    """(key codec spec(s), value codec spec(s), sink tokens, fitted positions) for a budget of ``bits``: the
+    """(key codec spec(s), value codec spec(s), sink tokens) for a budget of ``bits``: the
     best uncalibrated configuration measured in Chapter 9 (``turboquant.budget``), or with
     ``profile`` (True: the model's own, a dict or a path) the profile's calibrated choice
     (``turboquant.calibration``: one codec per layer). ``bits`` excludes explicit codecs and
-    sinks. Fitted positions: the profile's coders saw keys only at positions below it
-    (``calibration.fitted_positions``), None for the uncalibrated budgets."""
+    sinks. (A profile's key coders carry the positions they were fitted for:
+    ``TransformCoder.positions``.)"""
     from .budget import codecs_for, pick
     if key_codec is not None or value_codec is not None or sink_tokens:
         raise ValueError("give either bits= or key_codec/value_codec/sink_tokens, not both")
@@ -50,7 +50,7 @@ def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, mod
     if bits != bits or bits <= 0:
         raise ValueError(f"bits must be a positive number of bits per coordinate, got {bits!r}")
     if model is not None and profile is not None and profile is not False:
-        from .calibration.profiles import find_profile, fitted_positions, load_profile
+        from .calibration.profiles import find_profile, load_profile
         from .calibration.store import profile_codecs
         prof = profile
         if isinstance(prof, (str, os.PathLike)):
@@ -61,9 +61,9 @@ def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, mod
                 raise ValueError("profile=True: this model has no calibrated profile; run `turboquant calibrate` "
                                  "first, or leave profile out for the uncalibrated budgets")
         keys, values, sinks, _ = profile_codecs(model, prof, bits)
-        return keys, values, sinks, fitted_positions(prof)
+        return keys, values, sinks
     choice = pick(bits, dim)
-    return (*codecs_for(choice), choice.sink_tokens, None)
+    return (*codecs_for(choice), choice.sink_tokens)
 
 
 def _per_layer(spec, i: int, n: int):
@@ -123,7 +123,7 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     configuration within ``bits`` instead (transform coders per layer, fitted on the
     profile's calibration text). Calibration pays on text like its calibration text and can
     lose on other domains (Chapter 10 measures how much), so it is not the default. A
-    profile's coders are fitted for positions below ``calibration.fitted_positions`` (the
+    profile's key coders are fitted for positions below ``TransformCoder.positions`` (the
     shipped profiles: the model's whole context; profiles written before that, one 512-token
     window); past it their key error grows many-fold (RoPE turns keys with their position)
     and the cache raises a ``FittedPositionsWarning``.
@@ -139,10 +139,8 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
         if bits is None:
             raise ValueError("profile= chooses the configuration for bits=: give bits too")
     dim = _head_dim(model)
-    fitted_positions = None
     if bits is not None:
-        key_codec, value_codec, sink_tokens, fitted_positions = _budget(bits, dim, key_codec, value_codec,
-                                                                        sink_tokens, model, profile)
+        key_codec, value_codec, sink_tokens = _budget(bits, dim, key_codec, value_codec, sink_tokens, model, profile)
     reference = _mlx_reference(model, max_kv_size)
     out = []
     for i, c in enumerate(reference):
@@ -159,7 +157,7 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
             out.append(c)
     if warn_rotating:
         _warn_rotating(out, fp_window, sink_tokens)
-    return tag_group(out, fitted_positions)
+    return tag_group(out)
 
 
 def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSpec = None,
@@ -175,8 +173,8 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
     if bits is not None:
         filled = [c for c in cache if isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)) and not c.empty()]
         if filled:
-            key_codec, value_codec, sink_tokens, _ = _budget(bits, filled[0].state[0].shape[-1], key_codec,
-                                                             value_codec, sink_tokens)
+            key_codec, value_codec, sink_tokens = _budget(bits, filled[0].state[0].shape[-1], key_codec,
+                                                          value_codec, sink_tokens)
     out = []
     for c in cache:
         if not isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)) or c.empty():

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..progress import progress as progress_bar
 
-__all__ = ["Choice", "capture_statistics", "fit_layers", "output_metric", "signature", "WINDOW"]
+__all__ = ["Choice", "capture_statistics", "fit_layers", "output_metric", "positions_seen", "signature", "WINDOW"]
 
 WINDOW = 512
 
@@ -71,10 +71,18 @@ def output_metric(model, layer: int, n_kv_heads: int, head_dim: int) -> np.ndarr
     return m.reshape(n_kv_heads, g, head_dim, head_dim).mean(axis=1)
 
 
+def positions_seen(positions: Optional[int], window: int = WINDOW, bos: Optional[int] = None) -> int:
+    """The positions below which calibration saw keys: ``positions`` when they were spread
+    over a context (``phases.spread``), else where the windows put them — ``window``
+    positions, one more with a BOS before each window (its last key sits at ``window``)."""
+    return int(positions) if positions is not None else int(window) + (bos is not None)
+
+
 def capture_statistics(model, ids: Sequence[int], bos: Optional[int] = None, window: int = WINDOW,
                        sink: int = 1, positions: Optional[int] = None, seed: int = 0,
                        progress: bool = False) -> list[dict]:
-    """Per layer {"k", "v": (H, N, D) float64, "metric", "value_metric": (H, D, D)} from the
+    """Per layer {"k", "v": (H, N, D) float64, "metric", "value_metric": (H, D, D),
+    "positions": ``positions_seen``} from the
     model run on consecutive windows of ``ids`` (each preceded by ``bos`` if given), the
     first ``sink`` positions of each window (and the BOS) left out. "metric" is E[q qᵀ]
     over the query heads that read each kv head (grouped-query attention);
@@ -114,7 +122,8 @@ def capture_statistics(model, ids: Sequence[int], bos: Optional[int] = None, win
             vm = output_metric(model, len(stats), H, k.shape[-1])
         except ValueError:
             vm = None
-        stats.append({"k": k, "v": v, "metric": metric, "value_metric": vm})
+        stats.append({"k": k, "v": v, "metric": metric, "value_metric": vm,
+                      "positions": positions_seen(positions, window, bos)})
     return stats
 
 
@@ -128,7 +137,8 @@ def fit_layers(stats: list[dict], key_bits: float, value_bits: float, outliers: 
     ``key_bits``/``value_bits`` are one rate for every layer or one per layer; with
     ``allocate``, the rates are spread across layers by each layer's measured
     "sensitivity" (``allocation.layer_sensitivity``, stored in ``stats``) at the same mean
-    (``allocation.allocate_layers``)."""
+    (``allocation.allocate_layers``). The key coders record the statistics' "positions"
+    (``TransformCoder.positions``: caches warn past them)."""
     from ..codecs.transform import TransformCoder
     if value_metric and any(s.get("value_metric") is None for s in stats):
         raise ValueError("value_metric=True needs statistics with a value metric (a model with o_proj; "
@@ -140,7 +150,7 @@ def fit_layers(stats: list[dict], key_bits: float, value_bits: float, outliers: 
         metric = s["metric"] if query_metric and transform == "klt" else None
         vmetric = s["value_metric"] if value_metric and transform == "klt" else None
         keys.append(TransformCoder.calibrate(s["k"], kb, metric=metric, transform=transform,
-                                             outliers=outliers, uniform=uniform))
+                                             outliers=outliers, uniform=uniform, positions=s.get("positions")))
         values.append(TransformCoder.calibrate(s["v"], vb, metric=vmetric, transform=transform,
                                                outliers=outliers, uniform=uniform))
     return keys, values

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .fitting import WINDOW, Choice, signature
+from .fitting import WINDOW, Choice, positions_seen, signature
 from .phases import valid_positions
 
 __all__ = ["fitted_positions", "profile_path", "shipped_profiles", "find_profile", "load_profile", "save_profile", "profile_entry",
@@ -92,13 +92,10 @@ def load_profile(path) -> dict:
 
 
 def fitted_positions(profile: dict) -> int:
-    """Positions below which the profile's coders saw keys: its ``positions`` (keys and
-    queries were spread over the context, ``phases``), else the calibration window (plus
-    one with a BOS before each window: its last key sits at position ``window``)."""
+    """Positions below which the profile's coders saw keys (``fitting.positions_seen`` of its
+    calibration): its ``positions``, else one window (plus one with a BOS)."""
     cal = profile["calibration"]
-    if cal.get("positions") is not None:
-        return int(cal["positions"])
-    return int(cal.get("window", WINDOW)) + (cal.get("bos") is not None)
+    return positions_seen(cal.get("positions"), cal.get("window", WINDOW), cal.get("bos"))
 
 
 def find_profile(model) -> Optional[dict]:

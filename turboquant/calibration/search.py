@@ -4,7 +4,10 @@ perplexity on held-out tokens of the *calibration* text. The first candidate (eq
 value bits, one exact outlier per vector) is the default; another replaces it only when it
 is *established* better — its paired 95 % interval of Δppl difference from the default lies
 below 0 (``evaluation.intervals.difference``, windows resampled together) — so a choice
-never rests on a difference the held-out text cannot tell from noise."""
+never rests on a difference the held-out text cannot tell from noise. A candidate whose
+coders cannot represent a held-out key or value (``OutOfRangeError``: a vector with more
+coefficients far beyond the fitted range than it stores exactly) is recorded as refused and
+left out of the choice."""
 from __future__ import annotations
 
 import math
@@ -38,14 +41,18 @@ def _ppl_factory(model, keys, values, sink):
 
 def choose(tried: list[dict], ref_nll: list[float], n: list[int], n_boot: int = 2000, seed: int = 0) -> int:
     """Index of the candidate a profile takes among ``tried`` (each with "per_window" NLL
-    sums on the same windows; the first is the default): the default unless others are
-    established better than it (paired interval of the difference wholly below 0), then the
-    best of those by point estimate. Adds "vs_default" (the difference and its interval,
-    percentage points of Δppl) to every candidate."""
+    sums on the same windows, or "refused"; the first is the default): the default unless
+    others are established better than it (paired interval of the difference wholly below 0),
+    then the best of those by point estimate. Adds "vs_default" (the difference and its
+    interval, percentage points of Δppl) to every candidate that was scored."""
     from ..evaluation import intervals as iv
+    if "refused" in tried[0]:
+        raise ValueError(f"the default candidate {tried[0]['choice']} cannot be calibrated: {tried[0]['refused']}")
     windows = iv.resample(len(n), n_boot, seed)
     best, default = 0, tried[0]["per_window"]
     for i, t in enumerate(tried):
+        if "refused" in t:
+            continue
         d = iv.difference(t["per_window"], default, ref_nll, n, windows)
         t["vs_default"] = d.as_dict()
         if i and d.hi < 0 and (best == 0 or t["ppl"] < tried[best]["ppl"]):
@@ -65,6 +72,7 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
     where the windows put them, and the profile then holds only within one window."""
     from ..data import load_text
     from ..evaluation import bos_id, encode_text, perplexity
+    from ..codecs.transform import OutOfRangeError
     from ..memory import geometry_from_model
     budgets = sorted({float(b) for b in budgets})
     if not budgets or any(not math.isfinite(b) or b <= 0 or b > 8 for b in budgets):
@@ -90,14 +98,21 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
             raise ValueError(f"no calibrated configuration fits {budget} bits per coordinate at head size {dim}")
         for choice in cands:
             keys, values = fit_layers(stats, choice.key_bits, choice.value_bits, choice.outliers)
-            r = perplexity(model, held, _ppl_factory(model, keys, values, choice.sink_tokens), bos=bos,
-                           window=WINDOW, progress=progress)
+            try:
+                r = perplexity(model, held, _ppl_factory(model, keys, values, choice.sink_tokens), bos=bos,
+                               window=WINDOW, progress=progress)
+            except OutOfRangeError as e:        # cannot code the held-out text: not a candidate
+                tried.append({"choice": asdict(choice), "bits": choice.bits(dim), "refused": str(e)})
+                continue
             tried.append({"choice": asdict(choice), "ppl": r["ppl"], "ppl_increase": r["ppl"] / ref - 1,
                           "bits": choice.bits(dim), "measured_bits": r["bits"],
                           "per_window": r["per_window"]["nll"]})
         pick = choose(tried, ref_nll, n)
         if progress:
             for i, t in enumerate(tried):
+                if "refused" in t:
+                    print(f"  {budget:g} bits: {Choice(**t['choice'])} → refused: {t['refused']}", flush=True)
+                    continue
                 d = t["vs_default"]
                 print(f"  {budget:g} bits: {Choice(**t['choice'])} → perplexity {t['ppl']:.3f} "
                       f"({100 * t['ppl_increase']:+.2f} %; vs the default {d['value']:+.2f} "

@@ -59,7 +59,7 @@ def profile_codecs(model, profile: dict, bits: float, progress: bool = False):
     return keys, values, choice.sink_tokens, entry
 
 
-CODER_STORE_VERSION = 1
+CODER_STORE_VERSION = 2                  # 2: key coders record their positions
 
 
 def coder_store_path(model, key: str) -> Path:

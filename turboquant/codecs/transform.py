@@ -33,7 +33,7 @@ otherwise input is (…, H, T, D) with H its heads. Build one with
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -41,10 +41,15 @@ import numpy as np
 from ..packing import pack, packed_bytes, unpack
 from .base import FP16_MAX, Code, Codec, check_input, check_int, register
 
-__all__ = ["TransformCoder", "gaussian_distortion", "allocate_bits", "lloyd_1d", "reverse_water_filling"]
+__all__ = ["TransformCoder", "OutOfRangeError", "gaussian_distortion", "allocate_bits", "lloyd_1d", "reverse_water_filling"]
 
 TRANSFORMS = ("channels", "klt")
 REACH = 16                  # coefficients beyond REACH × a head's largest level are refused
+
+
+class OutOfRangeError(ValueError):
+    """A vector a fitted ``TransformCoder`` cannot represent: more coefficients beyond its
+    range (``REACH`` × a head's largest level) than it stores exactly."""
 _CHUNK = 1 << 14            # vectors per encode step: bounded memory for long contexts
 
 
@@ -130,7 +135,11 @@ class TransformCoder(Codec):
     ``transform``/``inverse`` (H, D, D); ``levels``: per distinct bit count b > 0 in
     ``alloc`` (in order of appearance), nested lists (H, n_b, 2^b) of sorted levels; the
     coordinates given 0 bits take ``levels0`` (H, n_0) (their calibration mean).
-    ``kind`` records how the transform was made (for reports only).
+    ``kind`` records how the transform was made (for reports only). ``positions``: the
+    calibration vectors were keys at positions below it (RoPE turns keys with their position,
+    so a key coder holds only where it was fitted: ``calibration.phases``); a cache storing
+    keys at or past it warns (``FittedPositionsWarning``). None: not position-bound (values,
+    or not recorded).
 
     Code fields: ``c`` (…, ⌈Σ b_i / 8⌉) uint8, every index's bits in one stream (no byte
     padding per bit count); with outliers ``oi`` uint8 and ``ov`` float16 (…, outliers).
@@ -139,8 +148,9 @@ class TransformCoder(Codec):
     name = "transform"
 
     def __init__(self, dim: int, alloc, mean, transform, inverse, levels, levels0=None, *,
-                 outliers: int = 0, kind: str = "klt"):
+                 outliers: int = 0, kind: str = "klt", positions: Optional[int] = None):
         self.dim = check_int("dim", dim, 2, 256)
+        self.positions = None if positions is None else check_int("positions", positions, 1)
         alloc = [check_int("alloc entry", b, 0, 8) for b in alloc]
         if len(alloc) != self.dim or any(a < b for a, b in zip(alloc, alloc[1:])):
             raise ValueError(f"alloc must be {self.dim} non-increasing ints in 0..8, got {alloc!r}")
@@ -190,7 +200,8 @@ class TransformCoder(Codec):
     # ------------------------------------------------------------------ calibration
     @classmethod
     def calibrate(cls, x, bits: float, *, metric=None, transform: str = "klt", outliers: int = 0,
-                  uniform: bool = False, max_bits: int = 8, floor: float = 1e-3) -> "TransformCoder":
+                  uniform: bool = False, max_bits: int = 8, floor: float = 1e-3,
+                  positions: Optional[int] = None) -> "TransformCoder":
         """Fit on calibration vectors ``x`` (H, N, D) (numpy or mx).
 
         ``bits``: average bits per coordinate including outliers (⌊bits·D⌋ bits per vector;
@@ -201,7 +212,8 @@ class TransformCoder(Codec):
         themselves, ordered by variance: per-channel quantization as in KVQuant).
         ``uniform``: every coordinate gets the same bits (``bits`` must then be an
         integer); otherwise reverse water-filling. ``floor``: metric eigenvalues are
-        floored at floor × their mean (a query direction never seen is not free)."""
+        floored at floor × their mean (a query direction never seen is not free).
+        ``positions``: recorded (the positions of the keys ``x`` holds, see the class)."""
         if transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
         x = np.asarray(x.astype(mx.float32) if isinstance(x, mx.array) else x, dtype=np.float64)
@@ -251,7 +263,8 @@ class TransformCoder(Codec):
             else:
                 levels.append([[lloyd_1d(y[h, :, i], 1 << b).tolist() for i in cols] for h in range(H)])
         return cls(D, alloc, np.stack(means), np.stack(ts), np.stack(invs), levels, levels0 or None,
-                   outliers=outliers, kind=transform if metric is None else f"{transform}+metric")
+                   outliers=outliers, kind=transform if metric is None else f"{transform}+metric",
+                   positions=positions)
 
     @staticmethod
     def vector_bits(bits: float, dim: int, outliers: int = 0, uniform: bool = False) -> int:
@@ -305,17 +318,21 @@ class TransformCoder(Codec):
                             "mean": self.mean.tolist(), "transform": self.transform.tolist(),
                             "inverse": self.inverse.tolist(), "levels": [t.tolist() for t in self.levels],
                             "levels0": self.levels0.tolist(), "outliers": self.outliers, "kind": self.kind}
+            if self.positions is not None:      # configs written before it existed load as None
+                self._config["positions"] = self.positions
         return dict(self._config)
 
     def __eq__(self, other):                  # config() holds every parameter; compare arrays directly
         return isinstance(other, TransformCoder) and self.alloc == other.alloc and \
-            self.outliers == other.outliers and self.kind == other.kind and all(
+            self.outliers == other.outliers and self.kind == other.kind and \
+            self.positions == other.positions and all(
                 mx.array_equal(a, b).item() for a, b in zip(self._params(), other._params())) and \
             len(self.levels) == len(other.levels)
 
     def __repr__(self):                       # the configuration holds H·D² numbers: summarise
         return (f"TransformCoder(dim={self.dim}, heads={self.heads}, bits={self.bits_per_coordinate:g}, "
-                f"alloc={self.alloc[0]}…{self.alloc[-1]}, outliers={self.outliers}, kind={self.kind!r})")
+                f"alloc={self.alloc[0]}…{self.alloc[-1]}, outliers={self.outliers}, kind={self.kind!r}"
+                + ("" if self.positions is None else f", positions={self.positions}") + ")")
 
     def __hash__(self):
         return hash((self.name, self.dim, tuple(self.alloc), self.outliers, self.heads))
@@ -385,7 +402,7 @@ class TransformCoder(Codec):
         vector with more of them than it stores exactly (``outliers``) is refused."""
         worst = int(worst)
         if worst > self.outliers:
-            raise ValueError(f"a vector has {worst} coefficient(s) beyond {REACH}x the range this TransformCoder "
+            raise OutOfRangeError(f"a vector has {worst} coefficient(s) beyond {REACH}x the range this TransformCoder "
                              f"was fitted on (its largest level, {self._reach.max().item():.4g}); it cannot "
                              f"represent them ({self.outliers} stored exactly). Refit it on data like this "
                              "input (turboquant calibrate), or use a TurboQuant codec, which needs no fitting")
