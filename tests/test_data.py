@@ -47,3 +47,27 @@ def test_the_other_domains_are_what_they_say():
     assert f"Python {sys.version.split()[0]}" in corpus_info("code") and "gensim" in corpus_info("reviews")
     with pytest.raises(ValueError, match="choose one of .'code', 'docs', 'lee', 'reviews', 'wikipedia'"):
         load_text("verse")
+
+
+def test_the_calibration_mixture_interleaves_prose_and_code_no_domain_draws_on():
+    """#29: a code model's profile is calibrated on Wikipedia and Python source in alternating
+    blocks; the source comes from modules that the held-out "code" and "docs" domains do not use,
+    so they stay held out."""
+    from turboquant.data import CALIBRATION, CODE_MODULES, DOC_MODULES, DOMAINS, MIX_BLOCK, MIX_MODULES, corpus_info
+    assert not set(MIX_MODULES) & (set(CODE_MODULES) | set(DOC_MODULES)) and "mixture" not in DOMAINS
+    mix = load_text("mixture")
+    blocks = mix.split("\n\n")
+    assert mix.startswith(load_text("wikipedia")[:MIX_BLOCK])                     # prose first
+    code = load_text("code")
+    assert not any(len(b) > 200 and b in code for b in blocks)                     # no held-out source
+    assert '"""Configuration file parser.' in mix and "class HTTPConnection" in mix
+    first = mix[:20 * MIX_BLOCK]
+    assert "def " in first and "Anarchism" in first                               # both, early on
+    assert "mixture" in CALIBRATION and "configparser" in corpus_info("mixture")
+
+
+def test_eval_does_not_offer_the_calibration_mixture(capsys):
+    from turboquant import cli
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--corpus", "mixture"])
+    assert "invalid choice: 'mixture'" in capsys.readouterr().err

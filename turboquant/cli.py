@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from . import memory
-from .data import DOMAINS
+from .data import CALIBRATION, DOMAINS
 from .checks import check_out_file
 
 
@@ -624,8 +624,9 @@ def main(argv=None) -> int:
     c.add_argument("--model", default="smollm2-135m", help=f"{names}, or the path of an mlx-lm model folder")
     c.add_argument("--budgets", type=float, nargs="+", default=[2.25, 3.25, 4.25],
                    help="bits per coordinate (side information included)")
-    c.add_argument("--corpus", choices=sorted(DOMAINS), default="wikipedia",
-                   help="calibration text (evaluate on the other one)")
+    c.add_argument("--corpus", choices=sorted(DOMAINS) + sorted(CALIBRATION), default="wikipedia",
+                   help="calibration text (evaluate on others); mixture: Wikipedia and Python source "
+                        "interleaved, the source from modules the code and docs domains do not use")
     c.add_argument("--text", default=None, help="a UTF-8 text file to calibrate on instead of --corpus")
     c.add_argument("--windows", type=_int_at_least(1), default=8, help="512-token calibration windows")
     c.add_argument("--heldout", type=_int_at_least(1024), default=8192,

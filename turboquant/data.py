@@ -20,6 +20,13 @@ calibrated or tuned on them):
 
 The last two depend on the Python version; ``corpus_info(name)`` says which.
 
+One more text is for *calibrating* on, not for measuring (``CALIBRATION``):
+
+* ``"mixture"``: Wikipedia and Python source — the files of ``MIX_MODULES``, standard-library
+  modules that neither ``"code"`` nor ``"docs"`` draws on — cut into blocks of about
+  ``MIX_BLOCK`` characters at line ends and interleaved, so every 512-token window holds
+  both prose and code (a code model's profile, Chapter 12).
+
 ``load_text(name)`` returns one string, articles separated by blank lines, and keeps it in
 memory after the first call. Nothing is downloaded.
 """
@@ -31,7 +38,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-__all__ = ["CORPORA", "DOMAINS", "CODE_MODULES", "DOC_MODULES", "corpus_path", "corpus_info", "load_text",
+__all__ = ["CORPORA", "DOMAINS", "CALIBRATION", "CODE_MODULES", "DOC_MODULES", "MIX_MODULES", "MIX_BLOCK", "corpus_path", "corpus_info", "load_text",
            "load_articles", "clean_wiki"]
 
 CORPORA = {                                        # files in the gensim wheel's test data
@@ -45,12 +52,19 @@ DOC_MODULES = ("pathlib", "collections", "itertools", "functools", "string", "re
                "random", "os.path", "shutil", "subprocess", "logging", "unittest.case")
 DOMAINS = {"wikipedia": "encyclopaedic prose", "lee": "news", "reviews": "movie-review sentences",
            "code": "Python source", "docs": "technical documentation"}
+MIX_MODULES = ("configparser", "http.client", "email.message", "tarfile", "gettext", "optparse", "pprint",
+               "tokenize", "zipfile", "ftplib", "smtplib", "sched", "graphlib", "glob")
+MIX_BLOCK = 1500                                   # characters: about 400 tokens of prose, 450 of code
+CALIBRATION = {"mixture": "Wikipedia prose and Python source, interleaved"}
 
 
 def corpus_info(name: str) -> str:
     """Where corpus ``name`` comes from, in one line (with the Python version for the
     standard-library domains)."""
     import sys
+    if name == "mixture":
+        return (f"{CALIBRATION[name]} in blocks of about {MIX_BLOCK} characters: {corpus_path('wikipedia').name} "
+                f"(gensim test data) and Python {sys.version.split()[0]} standard library ({', '.join(MIX_MODULES)})")
     if name in ("code", "docs"):
         mods = CODE_MODULES if name == "code" else DOC_MODULES
         return f"{DOMAINS[name]}: Python {sys.version.split()[0]} standard library ({', '.join(mods)})"
@@ -60,7 +74,7 @@ def corpus_info(name: str) -> str:
 def corpus_path(name: str) -> Path:
     """Path of corpus ``name`` inside the installed gensim wheel (gensim is not imported)."""
     if name not in CORPORA:
-        raise ValueError(f"unknown corpus {name!r}; choose one of {sorted(DOMAINS)}")
+        raise ValueError(f"unknown corpus {name!r}; choose one of {sorted(CORPORA)}")
     spec = importlib.util.find_spec("gensim")
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("the gensim package is not installed: `pip install gensim` provides the corpora")
@@ -114,6 +128,26 @@ def load_articles(name: str) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _blocks(text: str, size: int) -> list[str]:
+    """``text`` cut at the first line end at or after every ``size`` characters."""
+    out, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + size)
+        end = len(text) if end < 0 else end + 1
+        out.append(text[start:end].strip("\n"))
+        start = end
+    return [b for b in out if b.strip()]
+
+
+def _mixture() -> str:
+    """Wikipedia and ``MIX_MODULES``' source in alternating blocks, prose first, until the
+    shorter runs out."""
+    prose = _blocks(load_text("wikipedia"), MIX_BLOCK)
+    code = _blocks("\n\n".join(_module_file(m).read_text(encoding="utf-8").strip() for m in MIX_MODULES),
+                   MIX_BLOCK)
+    return "\n\n".join(b for pair in zip(prose, code) for b in pair)
+
+
 def _module_file(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
@@ -144,8 +178,12 @@ def _docstrings(name: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def load_text(name: str = "wikipedia") -> str:
-    """Corpus ``name`` (``DOMAINS``: "wikipedia", "lee", "reviews", "code", "docs") as one
-    clean string, articles separated by a blank line; cached after the first call."""
+    """Corpus ``name`` (``DOMAINS``: "wikipedia", "lee", "reviews", "code", "docs"; or the
+    calibration text "mixture") as one clean string, articles separated by a blank line;
+    cached after the first call."""
+    if name == "mixture":
+        return _mixture()
     if name not in DOMAINS:
-        raise ValueError(f"unknown corpus {name!r}; choose one of {sorted(DOMAINS)}")
+        raise ValueError(f"unknown corpus {name!r}; choose one of {sorted(DOMAINS)} (or {sorted(CALIBRATION)} "
+                         "to calibrate on)")
     return "\n\n".join(text for _, text in load_articles(name))
