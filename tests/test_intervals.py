@@ -108,6 +108,31 @@ def test_domains_worst_and_never_worse_read_the_paired_differences():
         never_worse([])
 
 
+def test_the_best_published_method_within_a_budget_and_where_a_cache_stands_against_it():
+    """suite.best_published takes only published families within the budget; standing words
+    the paired difference (ahead / behind / indistinguishable) and will not rank a row
+    without per-window sums."""
+    from turboquant.suite import add_intervals, best_published, standing
+    ref, a, n = _windows(W=40, delta=0.010, sigma=0.002, seed=0)
+    rows = {"fp32": ("reference", 32.0, ref), "ours": ("profile", 4.25, a),
+            "KIVI 4": ("KIVI-style", 4.75, ref + n * 0.005), "KVQ 4": ("KVQuant-style", 4.25, ref + n * 0.020),
+            "KVQ 3": ("KVQuant-style", 3.25, ref + n * 0.010), "mine": ("budget", 4.0, ref)}
+    res = {name: {"family": f, "bits": b, "per_window": {"nll": list(x), "n": list(n)},
+                  "ppl": float(np.exp(x.sum() / n.sum()))} for name, (f, b, x) in rows.items()}
+    for r in res.values():
+        r["ppl_increase"] = r["ppl"] / res["fp32"]["ppl"] - 1
+    add_intervals(res, n_boot=500)
+    run = {"results": res}
+    assert best_published(run, 4.25) == "KVQ 3" and best_published(run, 5.0) == "KIVI 4"
+    assert best_published(run, 3.0) is None
+    assert standing(run, "ours", "KVQ 4").startswith("ahead of KVQ 4 (-")
+    assert standing(run, "ours", "KIVI 4").startswith("behind KIVI 4 (+")
+    assert standing(run, "ours", "KVQ 3").startswith("indistinguishable from KVQ 3")
+    assert standing(run, "ours", None) == "none within the budget"
+    del res["KVQ 3"]["per_window"]
+    assert standing(run, "ours", "KVQ 3") == "KVQ 3: one seed, not ranked"
+
+
 def test_pairing_narrows_the_interval_of_a_difference():
     """Windows where every cache loses more (a shared fragility) cancel in a paired
     difference; resampled apart they do not, and the interval widens."""

@@ -25,7 +25,8 @@ from .prompt_cache import make_prompt_cache
 
 __all__ = ["mse_config", "best_under", "add_intervals", "diff", "Config", "Reference", "MlxQuantized", "Kivi", "Codecs", "Calibrated", "Profile",
            "CONFIGS", "CHAPTER_CONFIGS", "calibration_corpus_for", "calibration_statistics", "evaluate", "frontier_rows",
-           "intervals_of", "evaluate_domains", "worst_domain", "domain_diffs", "never_worse"]
+           "intervals_of", "evaluate_domains", "worst_domain", "domain_diffs", "never_worse", "PUBLISHED",
+           "best_published", "standing"]
 
 
 class _LegacyConstructor(type):
@@ -694,6 +695,32 @@ def mse_config(key_bits: Optional[int] = None, value_bits: Optional[int] = None,
     Codecs from ``budget.codecs_for`` (values rotated with seed 1, keys with seed 0)."""
     k, v = codecs_for(key_bits, value_bits, center_keys)
     return Codecs("TQ-mse", key=k, value=v, sink_tokens=sink_tokens)
+
+
+PUBLISHED = ("mlx-lm affine", "rotated affine", "split channels", "KIVI-style", "KVQuant-style")
+"""The families of published methods (the goals ask to be ahead of each within its budget)."""
+
+
+def best_published(result: dict, bits: float) -> Optional[str]:
+    """Name of the published configuration (a ``PUBLISHED`` family) of ``result`` with the
+    smallest perplexity increase within ``bits`` bits per coordinate; None if none fits."""
+    rows = [(inc, n, b) for n, fam, b, ppl, inc in frontier_rows(result) if fam in PUBLISHED]
+    best = best_within(rows, bits, bits=lambda r: r[2], score=lambda r: r[0])
+    return None if best is None else best[1]
+
+
+def standing(result: dict, ours: str, theirs: Optional[str]) -> str:
+    """``ours`` against a published row in words, from their paired difference (``diff``):
+    "ahead of" / "behind" / "indistinguishable from" ``theirs`` with the difference and its
+    interval (points of Δppl); rows recorded without per-window sums are not ranked."""
+    if theirs is None:
+        return "none within the budget"
+    if any("per_window" not in result["results"][n] for n in (ours, theirs)):
+        return f"{theirs}: one seed, not ranked"
+    d = diff(result, ours, theirs)
+    word = "indistinguishable from" if d["verdict"] == "indistinguishable" else (
+        "ahead of" if d["value"] < 0 else "behind")
+    return f"{word} {theirs} ({d['value']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}])"
 
 
 def best_under(result: dict, bits: float, exclude=("reference", "recent window")) -> tuple:
