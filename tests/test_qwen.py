@@ -192,3 +192,20 @@ def test_attention_from_codes_runs_through_the_cpu_kernels_at_d128_with_6_heads_
     with kernels.use(None):
         ref = attention_from_codes(q, keys, values, scale=layer["scale"])
     assert mx.abs(fast - ref).max().item() <= 1e-5 * mx.abs(ref).max().item()
+
+
+def test_the_shipped_profile_is_this_models_calibrated_on_the_mixture_over_its_context(qwen):
+    """#29: ``make_prompt_cache(model, bits=b, profile=True)`` finds Qwen's own profile (its
+    signature is the converted model's), calibrated on the prose-and-code mixture and fitted
+    for every position of the model's 32,768-token context; the text it was chosen on is not
+    the text Chapter 12 reports on. (Fitting its coders takes minutes: the recorded runs
+    measure them.)"""
+    from turboquant.calibration import context_length, find_profile, fitted_positions
+    from turboquant.data import CODE_MODULES, MIX_MODULES
+    model, _ = qwen
+    prof = find_profile(model)
+    assert prof is not None and prof["model"] == NAME and prof["calibration"]["corpus"] == "mixture"
+    assert fitted_positions(prof) == context_length(model) == 32768
+    assert not set(MIX_MODULES) & set(CODE_MODULES)
+    assert [e["budget"] for e in prof["budgets"]] == [2.25, 3.25, 4.25]
+    assert all(e["bits"] <= e["budget"] for e in prof["budgets"])
