@@ -286,3 +286,15 @@ def test_a_table_prints_as_columns_and_displays_as_an_html_table():
     assert table([("", 1)], ["gap", "x"])._repr_markdown_().split("\n")[2] == "| \u00a0 | 1 |"
     with pytest.raises(ValueError, match="row 1 has 1 cells, the headers 2"):
         table([(1, 2), (3,)], ["a", "b"])
+
+
+def test_every_suite_family_has_a_fixed_colour():
+    """A family added to the suite must be appended to ``FAMILY_ORDER`` (else it would take a
+    place by its name's hash, and could share a colour with a known family)."""
+    from turboquant.suite import CONFIGS
+    from turboquant.viz.realmodel import FAMILY_ORDER, family_index
+    families = {c.family for c in CONFIGS.values()} - {"reference"}
+    assert families <= set(FAMILY_ORDER), sorted(families - set(FAMILY_ORDER))
+    assert len(set(FAMILY_ORDER)) == len(FAMILY_ORDER)
+    assert [family_index(f) for f in FAMILY_ORDER] == list(range(len(FAMILY_ORDER)))
+    assert family_index("a family of someone else's") >= len(FAMILY_ORDER)

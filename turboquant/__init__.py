@@ -15,12 +15,13 @@ from .batch import BatchCodesCache  # noqa: E402
 from .cache import FittedPositionsWarning, TurboQuantKVCache, TurboQuantRotatingKVCache  # noqa: E402
 from .codecs import (QJL, AffineCodec, Centered, Code, Codec, FibQuant, Identity, OutlierSplit,  # noqa: E402
                      PolarQuant, TurboQuantMSE, TurboQuantProd, from_config)
-from .codecs.transform import TransformCoder  # noqa: E402
+from .codecs.transform import OutOfRangeError, TransformCoder  # noqa: E402
 from .data import load_text  # noqa: E402
 from .evaluation import encode_text, perplexity  # noqa: E402
 from .kivi import KIVICache  # noqa: E402
 from .memory import PRESETS, AttentionGeometry, Layer, kv_cache_bytes  # noqa: E402
 from .models import load  # noqa: E402
+from .prerope import PreRopeCache, pre_rope  # noqa: E402
 from .prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache, to_turboquant  # noqa: E402
 from .rotation import Rotation  # noqa: E402
 
@@ -31,10 +32,10 @@ __all__ = [
     # caches for mlx-lm (Chapter 7)
     "make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prompt_cache",
     "TurboQuantKVCache", "TurboQuantRotatingKVCache", "KIVICache", "codes_attention",
-    "BatchCodesCache", "FittedPositionsWarning",
+    "BatchCodesCache", "FittedPositionsWarning", "pre_rope", "PreRopeCache",
     # every shipped codec (Chapters 3–6, 10) and the codec interface
     "Codec", "Code", "from_config", "TurboQuantMSE", "TurboQuantProd", "QJL", "PolarQuant", "FibQuant",
-    "AffineCodec", "Centered", "Identity", "OutlierSplit", "TransformCoder", "Rotation",
+    "AffineCodec", "Centered", "Identity", "OutlierSplit", "TransformCoder", "OutOfRangeError", "Rotation",
     # attention from codes and the memory model (Chapters 1 and 7)
     "attention_from_codes", "kv_cache_bytes", "AttentionGeometry", "Layer", "PRESETS",
     "__version__",

@@ -214,11 +214,12 @@ def decode_record(rows: list, repeats: int) -> dict:
 
 
 def generation_run(model: str = "smollm2-135m", context: int = 8192, new_tokens: int = 32,
-                   bits: Sequence[int] = (4,), corpus: str = "lee", progress=None) -> dict:
+                   bits: Sequence[int] = (4,), corpus: str = "lee", progress=None, pre_rope: bool = False) -> dict:
     """``turboquant bench generate``: greedy tokens/s after ``context`` tokens of ``corpus``,
     an fp32 mlx-lm cache against TurboQuant_mse caches at each of ``bits`` (attention from
-    codes), interleaved (``generation_tokens_per_second``). A JSON-able record: the runs,
-    the model, the back-end and the machine."""
+    codes), interleaved (``generation_tokens_per_second``). With ``pre_rope``, also the same
+    codecs with keys coded before RoPE (``turboquant.prerope``: decoded and turned back at
+    every step). A JSON-able record: the runs, the model, the back-end and the machine."""
     import os
     import platform
     from mlx_lm.models.cache import make_prompt_cache as mlx_cache
@@ -241,9 +242,13 @@ def generation_run(model: str = "smollm2-135m", context: int = 8192, new_tokens:
         key, value = codecs_for(b, b)
         caches[f"TurboQuant_mse {b}-bit K/V, attention from codes ({kernels.backend_name()})"] = \
             make_prompt_cache(net, key_codec=key, value_codec=value)
+        if pre_rope:
+            from .prerope import pre_rope as wrap
+            caches[f"TurboQuant_mse {b}-bit K/V, keys before RoPE (decoded at every step)"] = \
+                wrap(net, make_prompt_cache(net, key_codec=key, value_codec=value))
     if progress:
         progress(f"then {new_tokens} greedy steps per cache, interleaved")
     runs = generation_tokens_per_second(net, caches, mx.array(ids, dtype=mx.int32), new_tokens, progress=progress)
-    return {"kind": "greedy generation", "model": model, "context": context, "new_tokens": new_tokens,
+    return {"kind": "greedy generation", "model": model, "context": context, "new_tokens": new_tokens, "pre_rope": pre_rope,
             "corpus": corpus, "runs": runs, "layers": cache_count(net), "backend": kernels.backend_name(),
             "machine": platform.machine(), "cpu_count": os.cpu_count(), "bandwidth_gb_s": memory_bandwidth()}

@@ -157,19 +157,27 @@ class Codecs(Config):
     fp_window: int = 0
     sink_tokens: int = 0
     note: str = ""
+    pre_rope: bool = False          # keys coded before RoPE (``turboquant.prerope``)
 
     def make_cache(self, model, stats=None):
         # on models with sliding-window layers fp_window and sinks apply to the global layers
         # only; make_prompt_cache would warn once per cache, i.e. per scoring window here
-        return lambda: make_prompt_cache(model, key_codec=self.key, value_codec=self.value or self.key,
+        make = lambda: make_prompt_cache(model, key_codec=self.key, value_codec=self.value or self.key,
                                          fp_window=self.fp_window, sink_tokens=self.sink_tokens,
                                          warn_rotating=False)
+        if self.pre_rope:
+            from .prerope import pre_rope, rope_of
+            rope_of(model)                      # an unsupported model fails here, not in the first window
+            return lambda: pre_rope(model, make())
+        return make
 
     def bits(self, dim):
         kc, vc = self.key(dim), (self.value or self.key)(dim)
         return (kc.bits_per_coordinate + vc.bits_per_coordinate) / 2
 
     def fidelity_codecs(self):
+        if self.pre_rope:               # the per-layer fidelity codes keys after RoPE
+            return None
         return self.key, self.value or self.key, self.sink_tokens
 
     def seeded(self, offset: int, dim: int):
@@ -264,6 +272,16 @@ def _budget_configs():
             for b in BUDGETS}
 
 
+def _pre_rope_configs():
+    """The budgets with their keys coded before RoPE (Chapter 10's lever): the same codecs,
+    seeds and sinks, the key mean then learned where it does not turn with the position."""
+    return {f"pre-RoPE budget K{b.key_bits}/V{b.value_bits}": _mse(
+        "budget, keys before RoPE (lever)", b.key_bits, b.value_bits, b.center_keys, sink_tokens=b.sink_tokens,
+        pre_rope=True, note=b.name + "; keys coded before RoPE, decoded and turned back at each step "
+                                     "(no attention from codes)")
+            for b in BUDGETS}
+
+
 CONFIGS: dict[str, Config] = {
     "fp32": Reference(),
     "mlx-lm affine 8": MlxQuantized(8),
@@ -288,6 +306,7 @@ CONFIGS: dict[str, Config] = {
     "centered TQ-mse 4": _mse("centered", 4, center_keys=True, center_values=True),   # both centred, as recorded
     "centered TQ-mse 3": _mse("centered", 3, center_keys=True, center_values=True),
     **_budget_configs(),
+    **_pre_rope_configs(),
     # ---- published methods, reproduced on the same tokens (Chapter 10)
     **{f"rotated affine {b}": Codecs("rotated affine", lambda d, b=b: AffineCodec(d, b, 64, rotation="hadamard"),
                                      note="randomized Hadamard, then mx.quantize g=64 (mlx-lm #1555, "

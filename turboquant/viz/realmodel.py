@@ -10,13 +10,25 @@ from .style import COLORS, figure
 FAMILY_COLORS = COLORS + ["#e377c2", "#bcbd22", "#393b79", "#ad494a", "#637939", "#843c39"]
 
 
+# The families of ``suite.CONFIGS`` in the order that fixes their colours and markers: sorted
+# as they were when the figures were first drawn, newer families appended (so that a new
+# family changes no existing family's colour).
+FAMILY_ORDER = (
+    "FibQuant", "KIVI-style", "KVQuant-style", "PolarQuant", "TurboQuant_mse", "TurboQuant_prod", "asymmetric",
+    "budget (centered keys + sink)", "calibrated transform coding", "calibrated transform coding (ablation)",
+    "calibrated transform coding (levers)", "centered", "mlx-lm affine", "outlier split", "per-vector uniform",
+    "profile (make_prompt_cache(bits=…, profile=True))", "recent window", "rotated affine", "split channels",
+    "budget, keys before RoPE (lever)",
+)
+
+
 def family_index(family: str) -> int:
-    """A family's fixed place among every family of ``suite.CONFIGS`` (sorted), so that one
-    family keeps its colour and marker in every figure, whichever families a figure shows.
-    A family the suite does not know goes after them, in a place fixed by its name."""
-    from ..suite import CONFIGS
-    known = sorted({c.family for c in CONFIGS.values()} - {"reference"})
-    return known.index(family) if family in known else len(known) + sum(map(ord, family)) % 8
+    """A family's fixed place in ``FAMILY_ORDER``, so that one family keeps its colour and
+    marker in every figure, whichever families a figure shows. A family the suite does not
+    know goes after them, in a place fixed by its name."""
+    if family in FAMILY_ORDER:
+        return FAMILY_ORDER.index(family)
+    return len(FAMILY_ORDER) + sum(map(ord, family)) % 8
 
 
 def plot_ppl_frontier(rows, title: str = "", budget: float | None = None, intervals: dict | None = None,

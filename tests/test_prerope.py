@@ -1,0 +1,152 @@
+"""Keys coded before RoPE (``turboquant.prerope``): exact round trip, the position-free mean it
+exists for, refusals, and the suite's configurations."""
+import types
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+import turboquant as tq
+from turboquant.budget import codecs_for
+from turboquant.cache_base import returning_codes
+from turboquant.codecs.identity import Identity
+from turboquant.models import run_in_chunks, tiny_model
+from turboquant.prerope import PreRopeCache, Rope, pre_rope, rope_of
+from turboquant.suite import CONFIGS
+
+from mlx_lm.models import cache as mlx_cache
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2)
+
+
+def toks(n, seed=0):
+    return mx.random.randint(1, 256, (1, n), key=mx.random.key(seed))
+
+
+def test_rope_matches_the_models_and_inverts(llama):
+    ropes = rope_of(llama)
+    assert len(ropes) == 2 and ropes[0] == Rope(32, False, 10000.0, 1.0)
+    x = mx.random.normal((1, 2, 9, 32), key=mx.random.key(1))
+    assert mx.array_equal(ropes[0].apply(x, 7), llama.layers[0].self_attn.rope(x, offset=7))
+    back = ropes[0].apply(ropes[0].apply(x, 7), 7, inverse=True)
+    assert mx.max(mx.abs(back - x)).item() < 1e-5
+    assert mx.max(mx.abs(ropes[0].apply(x, 7) - x)).item() > 0.1      # it does turn them
+
+
+def test_exact_codecs_reproduce_the_fp32_model(llama):
+    """With an exact codec the wrapper changes nothing but rounding: prefill, chunks and
+    single decode steps (the offsets RoPE reads) agree with mlx-lm's cache."""
+    x = toks(80)
+    ref = run_in_chunks(llama, x, mlx_cache.make_prompt_cache(llama), [50, 20, 1, 1, 8])
+    cache = pre_rope(llama, tq.make_prompt_cache(llama, key_codec=Identity(32), value_codec=Identity(32)))
+    out = run_in_chunks(llama, x, cache, [50, 20, 1, 1, 8])
+    assert mx.max(mx.abs(out - ref)).item() < 1e-4
+    assert cache[0].offset == 80 and cache[0].size() == 80 and cache[0].nbytes == cache[0].inner.nbytes
+
+
+def test_inside_codes_attention_it_decodes(llama):
+    """These codes cannot be read without decoding: under ``codes_attention`` the cache returns
+    decoded keys and values (the layer attends as for an exact cache) and the model's output is
+    the one it gives outside, while the plain caches beside it still return codes."""
+    x = toks(40, seed=1)
+    make = lambda: pre_rope(llama, tq.make_prompt_cache(llama, bits=4.25))
+    plain = run_in_chunks(llama, x, make(), [30, 1, 1, 8])
+    with tq.codes_attention(llama):
+        inside = run_in_chunks(llama, x, make(), [30, 1, 1, 8])
+    assert mx.max(mx.abs(inside - plain)).item() < 1e-4
+    with returning_codes():
+        k, v = make()[0].update_and_fetch(mx.ones((1, 2, 3, 32)), mx.ones((1, 2, 3, 32)))
+        assert isinstance(k, mx.array) and k.shape == (1, 2, 3, 32)
+        assert not isinstance(tq.make_prompt_cache(llama, bits=4.25)[0].update_and_fetch(
+            mx.ones((1, 2, 3, 32)), mx.ones((1, 2, 3, 32)))[0], mx.array)
+
+
+def test_a_bias_before_rope_is_one_mean():
+    """Keys that are one vector plus small noise before RoPE: after RoPE their mean turns with
+    the position, so a centred cache fed them after RoPE keeps most of the vector to code; the
+    same codecs before RoPE remove it exactly. The point of the lever, with a known answer."""
+    D, T = 64, 256
+    rope = Rope(D, False, 10000.0, 1.0)
+    bias = 4 * mx.random.normal((1, 1, 1, D), key=mx.random.key(2))
+    pre = bias + 0.1 * mx.random.normal((1, 1, T, D), key=mx.random.key(3))
+    keys = rope.apply(pre, 0)
+    values = mx.random.normal((1, 1, T, D), key=mx.random.key(4))
+
+    def err(cache):
+        k, _ = cache.update_and_fetch(keys, values)
+        return (mx.sum((k - keys) ** 2) / mx.sum((keys - mx.mean(keys, axis=2, keepdims=True)) ** 2)).item()
+
+    k, v = codecs_for(3, 3, True)                                    # centred 3-bit keys
+    make = lambda: tq.TurboQuantKVCache(k(D), v(D))
+    after, before = err(make()), err(PreRopeCache(make(), rope))
+    assert before < after / 20, (before, after)
+
+
+def test_refusals(llama):
+    rope = rope_of(llama)[0]
+    ring = tq.TurboQuantRotatingKVCache(16, Identity(32))
+    with pytest.raises(TypeError, match="sliding-window"):
+        PreRopeCache(ring, rope)
+    with pytest.raises(TypeError, match="TurboQuantKVCache"):
+        PreRopeCache(mlx_cache.KVCache(), rope)
+    used = tq.TurboQuantKVCache(Identity(32))
+    used.update_and_fetch(mx.zeros((1, 2, 3, 32)) + 1, mx.zeros((1, 2, 3, 32)) + 1)
+    with pytest.raises(ValueError, match="empty"):
+        PreRopeCache(used, rope)
+    with pytest.raises(TypeError, match="Rope"):
+        PreRopeCache(tq.TurboQuantKVCache(Identity(32)), "rope")
+    with pytest.raises(ValueError, match="layers"):
+        pre_rope(llama, tq.make_prompt_cache(llama)[:1])
+    fake = types.SimpleNamespace(layers=[types.SimpleNamespace(self_attn=types.SimpleNamespace(
+        rope=nn.ALiBi()))])
+    with pytest.raises(ValueError, match="ALiBi"):
+        rope_of(fake)
+    with pytest.raises(TypeError, match="layers"):
+        rope_of(object())
+
+
+def test_suite_configurations(llama):
+    name = "pre-RoPE budget K4/V4"
+    cfg, plain = CONFIGS[name], CONFIGS["budget K4/V4"]
+    assert cfg.pre_rope and not plain.pre_rope
+    assert cfg.bits(64) == plain.bits(64) and cfg.sink_tokens == plain.sink_tokens
+    assert cfg.fidelity_codecs() is None
+    cache = cfg.make_cache(llama)()
+    assert all(isinstance(c, PreRopeCache) for c in cache)
+    assert cache[0].key_codec.config() == plain.make_cache(llama)()[0].key_codec.config()
+    assert cfg.seeded(1, 32).pre_rope
+    gemma = tiny_model("gemma3", num_layers=6, hidden_size=64)
+    with pytest.raises(TypeError, match="sliding-window"):
+        cfg.make_cache(gemma)()
+
+
+def test_the_decode_benchmark_times_it_beside_codes(llama):
+    from turboquant.bench import generation_tokens_per_second
+    caches = {"codes": tq.make_prompt_cache(llama, bits=4.25),
+              "before RoPE": pre_rope(llama, tq.make_prompt_cache(llama, bits=4.25))}
+    out = generation_tokens_per_second(llama, caches, toks(64, seed=2)[0], new_tokens=2, chunk=32)
+    assert set(out) == {"codes", "before RoPE"} and all(r["tokens_per_s"] > 0 for r in out.values())
+    assert caches["before RoPE"][0].offset == 64 + 2 == caches["codes"][0].offset
+
+
+def test_centering_residual_has_the_known_answers():
+    """Keys that are one vector before RoPE plus small noise: before RoPE the mean leaves only
+    the noise (its share known); after RoPE it leaves most of the turning vector. Keys with no
+    common part: both ways leave about everything."""
+    from turboquant.prerope import centering_residual
+    D, T = 64, 512
+    rope = Rope(D, False, 10000.0, 1.0)
+    bias = mx.random.normal((1, 1, 1, D), key=mx.random.key(5))
+    noise = 0.1 * mx.random.normal((1, 1, T, D), key=mx.random.key(6))
+    after, before = centering_residual(rope.apply(bias + noise, 0), rope)
+    share = (mx.sum(noise[:, :, 1:] ** 2) / mx.sum((bias + noise)[:, :, 1:] ** 2)).item()
+    assert before == pytest.approx(share, rel=0.2) and after > 0.3 > 20 * before
+    a, b = centering_residual(rope.apply(noise, 0), rope)
+    assert 0.9 < a < 1.2 and 0.9 < b < 1.2
+    with pytest.raises(ValueError, match="shape"):
+        centering_residual(mx.zeros((2, 1, 8, D)), rope)
+    with pytest.raises(ValueError, match="fit"):
+        centering_residual(mx.zeros((1, 1, 8, D)), rope, fit_tokens=16)
