@@ -290,7 +290,8 @@ def test_a_table_prints_as_columns_and_displays_as_an_html_table():
 
 def test_every_suite_family_has_a_fixed_colour():
     """A family added to the suite must be appended to ``FAMILY_ORDER`` (else it would take a
-    place by its name's hash, and could share a colour with a known family)."""
+    place by its name's hash, and could share a colour and marker with a known family; in the
+    order, colours repeat only with another marker)."""
     from turboquant.suite import CONFIGS
     from turboquant.viz.realmodel import FAMILY_ORDER, family_index
     families = {c.family for c in CONFIGS.values()} - {"reference"}

@@ -11,18 +11,22 @@ on average over positions.
 ``mx.fast.rope`` with the scale negated), hands the position-free keys k_t to a
 ``TurboQuantKVCache`` — which codes them, centres them, keeps its sinks, as it would any
 keys — and applies R_t to the decoded keys on the way out. Attention therefore sees R_t k̂_t,
-and the only new error is float32 rounding of the two rotations (≈ 1e-7 relative).
+and the only new error is the rounding of the two rotations, computed in float32 whatever the
+keys' dtype (≈ 1e-7 relative; the result is cast back to the keys' dtype).
 
 What it costs at decode: attention from codes (``turboquant.attention``) cannot read these
 codes. Its per-query table rotates the query once for all cached keys, but q·R_t k̂_t =
 (R_t⁻¹ q)·k̂_t needs a different query for every position t. So a ``PreRopeCache`` decodes
-every cached key and applies RoPE to them at each step (the inverse rotation of every key,
-O(T·D²) with a dense rotation, and T·D floats of transient memory per layer, like a
-dequantizing cache); inside ``codes_attention`` it returns those decoded keys and values, so
-that layer's attention runs as for an exact cache (``turboquant generate`` works, at that
-cost; Chapter 10 measures it). It supports plain (global) layers; sliding-window
-layers (``TurboQuantRotatingKVCache``), whose slots do not hold positions 0…T−1 in order, are
-refused, as are RoPE variants other than mlx's ``nn.RoPE`` (linear scaling included).
+every cached key and value and applies RoPE to the keys at each step (the codecs' inverse
+rotation of every vector: O(T·D log D) with the default randomized Hadamard, O(T·D²) with a
+Haar rotation; transient memory of a few B·H_kv·T·D floats per layer, like a dequantizing
+cache); inside ``codes_attention`` it returns those decoded keys and values, so that layer's
+attention runs as for an exact cache (``mlx_lm.generate`` and ``codes_attention`` work, at
+that cost; Chapter 10 measures it). It supports plain (global) layers; sliding-window layers
+(``TurboQuantRotatingKVCache``), whose slots do not hold positions 0…T−1 in order, are
+refused, as are RoPE variants other than mlx's ``nn.RoPE`` (Llama-3, YaRN, dynamic NTK
+scaling; linear scaling is an ``nn.RoPE`` and works). Not supported either: saving
+(``save_prompt_cache`` refuses it) and batching (no ``merge``).
 """
 from __future__ import annotations
 
@@ -49,8 +53,9 @@ class Rope:
 
     def apply(self, x: mx.array, offset: int, inverse: bool = False) -> mx.array:
         """R_t x (``inverse``: R_t⁻¹ x = R_{−t} x) for x of shape (…, T, D), t = offset + row."""
-        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base,
-                            scale=-self.scale if inverse else self.scale, offset=int(offset))
+        y = mx.fast.rope(x.astype(mx.float32), self.dims, traditional=self.traditional, base=self.base,
+                         scale=-self.scale if inverse else self.scale, offset=int(offset))
+        return y.astype(x.dtype)
 
 
 def rope_of(model) -> list:
@@ -63,9 +68,11 @@ def rope_of(model) -> list:
     out = []
     for i, layer in enumerate(layers):
         rope = getattr(getattr(layer, "self_attn", None), "rope", None)
+        if rope is None:
+            raise ValueError(f"layer {i} has no self_attn.rope: keys coded before RoPE need a RoPE model")
         if type(rope) is not nn.RoPE:
             raise ValueError(f"layer {i}'s attention has RoPE {type(rope).__name__}; keys coded before RoPE "
-                             "need mlx's nn.RoPE (no scaling variants)")
+                             "need mlx's nn.RoPE (linear scaling works; Llama-3, YaRN and dynamic NTK do not)")
         out.append(Rope(int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale)))
     return out
 
@@ -84,12 +91,18 @@ class PreRopeCache(CacheBase):
             raise ValueError(f"PreRopeCache needs an empty cache; this one holds {inner.offset} tokens after RoPE")
         if not isinstance(rope, Rope):
             raise TypeError(f"rope must be a turboquant.prerope.Rope, got {type(rope).__name__}")
+        if rope.dims > inner.key_codec.dim:
+            raise ValueError(f"RoPE turns {rope.dims} channels, more than the key codec's head size "
+                             f"{inner.key_codec.dim}")
         self.inner, self.rope = inner, rope
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """keys, values: (B, H, T, D), keys after RoPE at positions offset…offset+T−1. Returns
         all held keys (after RoPE, decoded) and values, (B, H, offset+T, D) — also inside
         ``codes_attention`` (these codes cannot be read without decoding)."""
+        if not isinstance(keys, mx.array) or keys.ndim != 4 or keys.shape[-1] != self.inner.key_codec.dim:
+            raise ValueError(f"keys must be an mx.array of shape (B, H, T, {self.inner.key_codec.dim}), got "
+                             f"{tuple(keys.shape) if isinstance(keys, mx.array) else type(keys).__name__}")
         token = codes_mode.set(0)                 # the inner cache decodes, whatever the caller's mode
         try:
             k, v = self.inner.update_and_fetch(self.rope.apply(keys, self.inner.offset, inverse=True), values)
@@ -140,21 +153,23 @@ def centering_residual(keys: mx.array, rope: Rope, fit_tokens: int = 16, sinks: 
     ``keys``: (1, H, T, D), one layer's keys after RoPE at positions 0…T−1 (as
     ``evaluation.capture_qkv`` gives them). The mean is learned as ``Centered`` learns it in a
     cache — per head, over the ``fit_tokens`` tokens after the ``sinks`` exact ones — once from
-    the keys as they are and once from the keys with RoPE undone. Returns (after, before): the
-    squared norm of the centred keys past the sinks over that of the keys, Σ‖k − μ‖² / Σ‖k‖²,
-    each way. A rotation-invariant codec's error is proportional to the norm it codes, so
-    ``before / after`` is the error a pre-RoPE cache keeps (its codes' rotation and RoPE's are
-    both orthogonal: coding k_t − μ before RoPE costs what coding R_t k_t − R_t μ after it
-    would, a mean that turns with the position)."""
+    the keys as they are and once from the keys with RoPE undone. Returns (after, before): over
+    the keys the cache codes (those past the sinks and the fit tokens, which it keeps exact),
+    the squared norm of the centred keys over that of the keys, Σ‖k − μ‖² / Σ‖k‖², each way.
+    A codec behind a random rotation errs in proportion to the norm it codes (exactly in
+    expectation over a Haar rotation, approximately for the seeded Hadamard default), so
+    ``before / after`` is about the share of the error a pre-RoPE cache keeps: RoPE is
+    orthogonal too, and coding k_t − μ before RoPE costs what coding R_t k_t − R_t μ after it
+    would, a mean that turns with the position."""
     if keys.ndim != 4 or keys.shape[0] != 1 or keys.shape[-1] < rope.dims:
         raise ValueError(f"keys must have shape (1, H, T, D) with D >= {rope.dims}, got {tuple(keys.shape)}")
     T = keys.shape[2]
-    if not 0 <= sinks or fit_tokens < 1 or sinks + fit_tokens > T:
+    if sinks < 0 or fit_tokens < 1 or sinks + fit_tokens >= T:
         raise ValueError(f"{sinks} sinks + {fit_tokens} fit tokens do not fit in {T} keys")
 
     def residual(k):
         mu = mx.mean(k[:, :, sinks:sinks + fit_tokens], axis=2, keepdims=True)
-        rest = k[:, :, sinks:]
+        rest = k[:, :, sinks + fit_tokens:]
         return (mx.sum((rest - mu) ** 2) / mx.sum(rest ** 2)).item()
 
     keys = keys.astype(mx.float32)

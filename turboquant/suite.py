@@ -166,8 +166,8 @@ class Codecs(Config):
                                          fp_window=self.fp_window, sink_tokens=self.sink_tokens,
                                          warn_rotating=False)
         if self.pre_rope:
-            from .prerope import pre_rope, rope_of
-            rope_of(model)                      # an unsupported model fails here, not in the first window
+            from .prerope import pre_rope
+            pre_rope(model, make())             # an unsupported model fails here, not in the first window
             return lambda: pre_rope(model, make())
         return make
 
