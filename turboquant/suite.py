@@ -265,21 +265,16 @@ def _mse(family, key_bits, value_bits=None, center_keys=False, center_values=Fal
     return Codecs(family, k, v, **kw)
 
 
-def _budget_configs():
-    return {f"budget K{b.key_bits}/V{b.value_bits}": _mse("budget (centered keys + sink)", b.key_bits,
-                                                             b.value_bits, b.center_keys,
-                                                             sink_tokens=b.sink_tokens, note=b.name)
-            for b in BUDGETS}
-
-
-def _pre_rope_configs():
-    """The budgets with their keys coded before RoPE (Chapter 10's lever): the same codecs,
-    seeds and sinks, the key mean then learned where it does not turn with the position."""
-    return {f"pre-RoPE budget K{b.key_bits}/V{b.value_bits}": _mse(
-        "budget, keys before RoPE (lever)", b.key_bits, b.value_bits, b.center_keys, sink_tokens=b.sink_tokens,
-        pre_rope=True, note=b.name + "; keys coded before RoPE, decoded and turned back at each step "
-                                     "(no attention from codes)")
-            for b in BUDGETS}
+def _budget_configs(pre_rope: bool = False):
+    """The uncalibrated budgets as rows; ``pre_rope``: the same codecs, seeds and sinks with the
+    keys coded before RoPE (Chapter 10's lever), the key mean then learned where it does not
+    turn with the position."""
+    prefix, family, note = (("pre-RoPE ", "budget, keys before RoPE (lever)",
+                             "; keys coded before RoPE, decoded and turned back at each step (no attention "
+                             "from codes)") if pre_rope else ("", "budget (centered keys + sink)", ""))
+    return {f"{prefix}budget K{b.key_bits}/V{b.value_bits}": _mse(
+        family, b.key_bits, b.value_bits, b.center_keys, sink_tokens=b.sink_tokens, pre_rope=pre_rope,
+        note=b.name + note) for b in BUDGETS}
 
 
 CONFIGS: dict[str, Config] = {
@@ -306,7 +301,7 @@ CONFIGS: dict[str, Config] = {
     "centered TQ-mse 4": _mse("centered", 4, center_keys=True, center_values=True),   # both centred, as recorded
     "centered TQ-mse 3": _mse("centered", 3, center_keys=True, center_values=True),
     **_budget_configs(),
-    **_pre_rope_configs(),
+    **_budget_configs(pre_rope=True),
     # ---- published methods, reproduced on the same tokens (Chapter 10)
     **{f"rotated affine {b}": Codecs("rotated affine", lambda d, b=b: AffineCodec(d, b, 64, rotation="hadamard"),
                                      note="randomized Hadamard, then mx.quantize g=64 (mlx-lm #1555, "
