@@ -132,6 +132,20 @@ def test_the_decode_benchmark_times_it_beside_codes(llama):
     assert caches["before RoPE"][0].offset == 64 + 2 == caches["codes"][0].offset
 
 
+def test_the_benchmark_adds_the_turned_mean_rows(monkeypatch, llama):
+    """``bench generate --turned-mean`` times centred keys after RoPE and the turned mean beside
+    the plain codes (a tiny model stands in for the named one)."""
+    from turboquant import bench, models
+    from turboquant.data import load_text
+    monkeypatch.setattr(models, "load", lambda name: (llama, types.SimpleNamespace(
+        encode=lambda text, **kw: [int(c) % 250 + 1 for c in text.encode()[:4000]])))
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda: 1.0)
+    out = bench.generation_run("tiny", context=64, new_tokens=2, turned_mean=True)
+    assert out["turned_mean"] and len(out["runs"]) == 4
+    assert any("turned to each position" in name for name in out["runs"])
+    assert all(r["tokens_per_s"] > 0 for r in out["runs"].values())
+
+
 def test_centering_residual_has_the_known_answers():
     """Keys that are one vector before RoPE plus small noise: before RoPE the mean leaves only
     the noise (its share known); after RoPE it leaves most of the turning vector. Keys with no
@@ -188,3 +202,145 @@ def test_bad_input_is_named(llama):
     fake = types.SimpleNamespace(layers=[types.SimpleNamespace()])
     with pytest.raises(ValueError, match="no self_attn.rope"):
         rope_of(fake)
+
+
+# ---------------------------------------------------------------- the key mean turned with the position
+def exact_turned(llama, sinks=1):
+    from turboquant.codecs import Centered
+    return tq.turned_mean(llama, tq.make_prompt_cache(llama, key_codec=lambda d: Centered(Identity(d)),
+                                                      value_codec=Identity(32), sink_tokens=sinks))
+
+
+@pytest.mark.parametrize("chunks", [[50, 20, 1, 1, 8], [5, 5, 5, 5, 60], [80]])
+def test_turned_mean_with_exact_codecs_is_the_fp32_model(llama, chunks):
+    """Exact codecs: the wrapper changes nothing but rounding, whether the mean is learned
+    inside one update or across several (the first 17 tokens arrive in 1, 2 or 4 chunks), with
+    decoded keys or from codes (q·R_t μ added to each score)."""
+    x = toks(80)
+    ref = run_in_chunks(llama, x, mlx_cache.make_prompt_cache(llama), chunks)
+    out = run_in_chunks(llama, x, exact_turned(llama), chunks)
+    with tq.codes_attention(llama):
+        codes = run_in_chunks(llama, x, exact_turned(llama), chunks)
+    assert mx.max(mx.abs(out - ref)).item() < 1e-4 and mx.max(mx.abs(codes - ref)).item() < 1e-4
+
+
+def test_turned_mean_codes_are_read_without_decoding(llama):
+    """TurboQuant codes: attention from codes (scores from the query table plus the turned
+    mean's bias) gives what decoding gives; feeding the prompt in one piece or in chunks codes
+    the same cache; the inner cache codes residuals with the plain codec, keeps S + F tokens
+    exact and counts the mean in its bytes."""
+    from turboquant.prerope import TurnedCodesView, TurnedMeanCache
+    x = toks(80, seed=4)
+    k, v = codecs_for(4, 4, True)
+    make = lambda: tq.turned_mean(llama, tq.make_prompt_cache(llama, key_codec=k, value_codec=v, sink_tokens=1))
+    dec = run_in_chunks(llama, x, make(), [50, 20, 1, 1, 8])
+    one = run_in_chunks(llama, x, make(), [80])
+    with tq.codes_attention(llama):
+        cache = make()
+        codes = run_in_chunks(llama, x, cache, [50, 20, 1, 1, 8])
+    assert mx.max(mx.abs(dec - codes)).item() < 1e-4 and mx.max(mx.abs(dec - one)).item() < 1e-4
+    c = cache[0]
+    assert isinstance(c, TurnedMeanCache) and c.key_codec.config()["codec"] == "turboquant_mse"
+    assert c.inner.sink_tokens == 17 and c.offset == 80 and c.mean.shape == (2, 32)
+    assert c.nbytes == c.inner.nbytes + 2 * 32 * 4
+    with returning_codes():
+        kv, _ = c.update_and_fetch(mx.ones((1, 2, 1, 32)), mx.ones((1, 2, 1, 32)))
+    assert isinstance(kv, TurnedCodesView)
+    decoded = kv.dequantize()
+    assert decoded.shape == (1, 2, 81, 32)
+    assert mx.max(mx.abs(decoded[..., 80:, :] - 1)).item() < 0.5      # R_t μ added back: about the key given
+
+
+def test_turned_mean_removes_a_bias_before_rope_like_coding_before_rope():
+    """The known answer of the pre-RoPE test: keys that are one vector plus small noise before
+    RoPE. The turned mean removes the vector exactly, as coding before RoPE does (both leave the
+    codec the same energy, ‖k − μ‖ = ‖R_t k − R_t μ‖); a mean learned after RoPE does not."""
+    from turboquant.prerope import TurnedMeanCache
+    D, T = 64, 256
+    rope = Rope(D, False, 10000.0, 1.0)
+    pre = 4 * mx.random.normal((1, 1, 1, D), key=mx.random.key(2)) + 0.1 * mx.random.normal((1, 1, T, D),
+                                                                                            key=mx.random.key(3))
+    keys, values = rope.apply(pre, 0), mx.random.normal((1, 1, T, D), key=mx.random.key(4))
+
+    def err(cache):
+        k, _ = cache.update_and_fetch(keys, values)
+        return (mx.sum((k - keys) ** 2) / mx.sum((keys - mx.mean(keys, axis=2, keepdims=True)) ** 2)).item()
+
+    k, v = codecs_for(3, 3, True)
+    make = lambda: tq.TurboQuantKVCache(k(D), v(D))
+    after, before, turned = err(make()), err(PreRopeCache(make(), rope)), err(TurnedMeanCache(make(), rope))
+    assert turned < after / 20 and 0.5 < turned / before < 2, (after, before, turned)
+
+
+def test_turned_mean_trims_copies_and_runs_in_mlx_lm(llama):
+    """A trim past the learned mean keeps it; a trim back into the tokens it was learned on
+    forgets it and learns it again from what remains (then continuing is the fp32 model's
+    output); a deep copy continues alike; mlx-lm's generation loop works."""
+    import copy
+    from mlx_lm.generate import generate_step
+    x = toks(60, seed=3)
+    ref = run_in_chunks(llama, x, mlx_cache.make_prompt_cache(llama), [60])
+    for keep in (40, 10, 0):
+        cache = exact_turned(llama)
+        run_in_chunks(llama, x, cache, [50])
+        assert all(c.trim(50 - keep) == 50 - keep for c in cache) and cache[0].offset == keep
+        assert (cache[0].mean is None) == (keep < 17)
+        again = run_in_chunks(llama, x[:, keep:], cache, [3, 1, 60 - keep - 4])
+        assert mx.max(mx.abs(again - ref[:, keep:])).item() < 1e-4, keep
+    twin = copy.deepcopy(cache)
+    a, b = (run_in_chunks(llama, x[:, :5], c, [5]) for c in (cache, twin))
+    assert mx.array_equal(a, b) and twin[0].offset == cache[0].offset == 65
+    k, v = codecs_for(4, 4, True)
+    cache = tq.turned_mean(llama, tq.make_prompt_cache(llama, key_codec=k, value_codec=v, sink_tokens=1))
+    run_in_chunks(llama, x[:, :10], cache, [10])
+    assert cache[0].trim(4) == 4 and cache[0].offset == 6 and cache[0].mean is None  # still learning
+    prompt = x[0, :20]
+    steps = lambda c: [int(t) for t, _ in zip((tok for tok, _ in generate_step(prompt, llama, prompt_cache=c)),
+                                              range(6))]
+    assert steps(exact_turned(llama)) == steps(mlx_cache.make_prompt_cache(llama))
+
+
+def test_turned_mean_refusals(llama):
+    from turboquant.codecs import Centered, OutlierSplit
+    from turboquant.prerope import TurnedMeanCache, turned_mean
+    rope = rope_of(llama)[0]
+    k, v = codecs_for(4, 4, True)
+    with pytest.raises(TypeError, match="sliding-window"):
+        TurnedMeanCache(tq.TurboQuantRotatingKVCache(16, k(32)), rope)
+    with pytest.raises(ValueError, match="unfitted Centered codec, got turboquant_mse"):
+        TurnedMeanCache(tq.TurboQuantKVCache(v(32)), rope)
+    with pytest.raises(ValueError, match="learns only the key mean"):
+        TurnedMeanCache(tq.TurboQuantKVCache(k(32), OutlierSplit(32, n_outliers=8, outlier_bits=4, bits=2)), rope)
+    with pytest.raises(ValueError, match="learns only the key mean"):
+        TurnedMeanCache(tq.TurboQuantKVCache(k(32), Centered(v(32))), rope)
+    used = tq.TurboQuantKVCache(k(32), v(32))
+    used.update_and_fetch(mx.ones((1, 2, 20, 32)), mx.ones((1, 2, 20, 32)))
+    with pytest.raises(ValueError, match="empty"):
+        TurnedMeanCache(used, rope)
+    with pytest.raises(ValueError, match="layers"):
+        turned_mean(llama, tq.make_prompt_cache(llama, key_codec=k, value_codec=v)[:1])
+    cache = TurnedMeanCache(tq.TurboQuantKVCache(k(32), v(32)), rope)
+    for bad in ([[1.0]], mx.ones((2, 3, 32)), mx.ones((1, 2, 3, 16))):
+        with pytest.raises(ValueError, match="keys must be an mx.array of shape"):
+            cache.update_and_fetch(bad, mx.ones((1, 2, 3, 32)))
+    with pytest.raises(ValueError, match="disagree"):
+        cache.update_and_fetch(mx.ones((1, 2, 3, 32)), mx.ones((1, 2, 4, 32)))
+    cache.update_and_fetch(mx.ones((1, 2, 3, 32)), mx.ones((1, 2, 3, 32)))
+    with pytest.raises(ValueError, match="batch × kv heads"):
+        cache.update_and_fetch(mx.ones((2, 2, 3, 32)), mx.ones((2, 2, 3, 32)))
+    with pytest.raises(TypeError, match="TurboQuant caches only"):
+        tq.save_prompt_cache("/tmp/never.safetensors", [cache])
+    gemma = tiny_model("gemma3", num_layers=6, hidden_size=64)
+    with pytest.raises(TypeError, match="sliding-window"):
+        CONFIGS["turned-mean budget K4/V4"].make_cache(gemma)
+
+
+def test_turned_mean_suite_rows(llama):
+    from turboquant.prerope import TurnedMeanCache
+    cfg, plain = CONFIGS["turned-mean budget K3/V3"], CONFIGS["budget K3/V3"]
+    assert cfg.turned_mean and not cfg.pre_rope and cfg.fidelity_codecs() is None
+    assert cfg.bits(64) == plain.bits(64) and cfg.sink_tokens == plain.sink_tokens
+    assert cfg.family == "budget, key mean before RoPE (lever)" and cfg.seeded(1, 32).turned_mean
+    cache = cfg.make_cache(llama)()
+    assert all(isinstance(c, TurnedMeanCache) for c in cache)
+    assert cache[0].key_codec.config() == plain.make_cache(llama)()[0].key_codec.config()["inner"]

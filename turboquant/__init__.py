@@ -21,7 +21,7 @@ from .evaluation import encode_text, perplexity  # noqa: E402
 from .kivi import KIVICache  # noqa: E402
 from .memory import PRESETS, AttentionGeometry, Layer, kv_cache_bytes  # noqa: E402
 from .models import load  # noqa: E402
-from .prerope import PreRopeCache, pre_rope  # noqa: E402
+from .prerope import PreRopeCache, TurnedMeanCache, pre_rope, turned_mean  # noqa: E402
 from .prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache, to_turboquant  # noqa: E402
 from .rotation import Rotation  # noqa: E402
 
@@ -32,7 +32,7 @@ __all__ = [
     # caches for mlx-lm (Chapter 7)
     "make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prompt_cache",
     "TurboQuantKVCache", "TurboQuantRotatingKVCache", "KIVICache", "codes_attention",
-    "BatchCodesCache", "FittedPositionsWarning", "pre_rope", "PreRopeCache",
+    "BatchCodesCache", "FittedPositionsWarning", "pre_rope", "PreRopeCache", "turned_mean", "TurnedMeanCache",
     # every shipped codec (Chapters 3–6, 10) and the codec interface
     "Codec", "Code", "from_config", "TurboQuantMSE", "TurboQuantProd", "QJL", "PolarQuant", "FibQuant",
     "AffineCodec", "Centered", "Identity", "OutlierSplit", "TransformCoder", "OutOfRangeError", "Rotation",

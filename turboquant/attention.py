@@ -142,7 +142,9 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     summed in the rotated frame and rotated back once; fused kernels, when active, sit
     behind the protocol). Other codecs are decoded. A codec that stores
     x − μ (``Centered``, through ``attention_view``) gets μ back exactly: q·μ added to the
-    coded scores, μ times the coded softmax mass added to the output. Exact sink (first S)
+    coded scores, μ times the coded softmax mass added to the output; keys whose view has a
+    ``score_bias`` (a mean that turns with the position, ``prerope.TurnedCodesView``) get it
+    added to every score. Exact sink (first S)
     and recent tokens enter as such. Equal to dequantize-then-attend up to float rounding.
     """
     B, H, Tq, D = q.shape
@@ -154,7 +156,9 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     qf = (q.astype(mx.float32) * scale).reshape(B, Hk, R, Tq, D)
 
     kc, code, mu = keys.codec.attention_view(keys.code())
-    fused = _attend_fused(q.reshape(B, Hk, R, Tq, D), scale, kc, code, values, mask, keys.exact_spans())
+    bias = getattr(keys, "score_bias", None)          # a key mean that turns with the position (prerope)
+    fused = None if bias is not None else _attend_fused(q.reshape(B, Hk, R, Tq, D), scale, kc, code, values, mask,
+                                                        keys.exact_spans())
     if fused is not None:
         return fused.reshape(B, H, Tq, D).astype(q.dtype)
     if hasattr(kc, "score_table"):
@@ -167,7 +171,10 @@ def attention_from_codes(q: mx.array, keys, values, scale: float | None = None, 
     exact = lambda x: qf @ mx.swapaxes(_per_head(x), -1, -2)  # noqa: E731
     parts = ([exact(keys.sink[..., :s, :])] if s else []) + [scores[..., s:T - r]] + (
         [exact(keys.recent[..., keys.recent.shape[2] - r:, :])] if r else [])
-    p = mx.softmax(_apply_mask(mx.concatenate(parts, axis=-1), mask, H), axis=-1, precise=True)
+    scores = mx.concatenate(parts, axis=-1)
+    if bias is not None:                                      # every position, exact ones too
+        scores = scores + bias(qf)
+    p = mx.softmax(_apply_mask(scores, mask, H), axis=-1, precise=True)
 
     vc, code, mu = values.codec.attention_view(values.code())
     s, r = values.exact_spans()

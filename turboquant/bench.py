@@ -214,12 +214,16 @@ def decode_record(rows: list, repeats: int) -> dict:
 
 
 def generation_run(model: str = "smollm2-135m", context: int = 8192, new_tokens: int = 32,
-                   bits: Sequence[int] = (4,), corpus: str = "lee", progress=None, pre_rope: bool = False) -> dict:
+                   bits: Sequence[int] = (4,), corpus: str = "lee", progress=None, pre_rope: bool = False,
+                   turned_mean: bool = False) -> dict:
     """``turboquant bench generate``: greedy tokens/s after ``context`` tokens of ``corpus``,
     an fp32 mlx-lm cache against TurboQuant_mse caches at each of ``bits`` (attention from
     codes), interleaved (``generation_tokens_per_second``). With ``pre_rope``, also the same
     codecs with keys coded before RoPE (``turboquant.prerope``: decoded and turned back at
-    every step). A JSON-able record: the runs, the model, the back-end and the machine."""
+    every step). With ``turned_mean``, also the same codecs with centred keys (a mean learned
+    after RoPE: the budgets' rule) and with the key mean learned before RoPE and turned with
+    the position (``prerope.turned_mean``), both read from codes. A JSON-able record: the
+    runs, the model, the back-end and the machine."""
     import os
     import platform
     from mlx_lm.models.cache import make_prompt_cache as mlx_cache
@@ -246,9 +250,16 @@ def generation_run(model: str = "smollm2-135m", context: int = 8192, new_tokens:
             from .prerope import pre_rope as wrap
             caches[f"TurboQuant_mse {b}-bit K/V, keys before RoPE (decoded at every step)"] = \
                 wrap(net, make_prompt_cache(net, key_codec=key, value_codec=value))
+        if turned_mean:
+            from .prerope import turned_mean as turn
+            centred, value = codecs_for(b, b, center_keys=True)
+            caches[f"TurboQuant_mse {b}-bit K/V, centred keys (mean after RoPE), from codes"] = \
+                make_prompt_cache(net, key_codec=centred, value_codec=value, sink_tokens=1)
+            caches[f"TurboQuant_mse {b}-bit K/V, key mean before RoPE turned to each position, from codes"] = \
+                turn(net, make_prompt_cache(net, key_codec=centred, value_codec=value, sink_tokens=1))
     if progress:
         progress(f"then {new_tokens} greedy steps per cache, interleaved")
     runs = generation_tokens_per_second(net, caches, mx.array(ids, dtype=mx.int32), new_tokens, progress=progress)
-    return {"kind": "greedy generation", "model": model, "context": context, "new_tokens": new_tokens, "pre_rope": pre_rope,
-            "corpus": corpus, "runs": runs, "layers": cache_count(net), "backend": kernels.backend_name(),
-            "machine": platform.machine(), "cpu_count": os.cpu_count(), "bandwidth_gb_s": memory_bandwidth()}
+    return {"kind": "greedy generation", "model": model, "context": context, "new_tokens": new_tokens,
+            "pre_rope": pre_rope, "turned_mean": turned_mean, "corpus": corpus, "runs": runs,
+            "layers": cache_count(net), "backend": kernels.backend_name(), "machine": platform.machine(), "cpu_count": os.cpu_count(), "bandwidth_gb_s": memory_bandwidth()}

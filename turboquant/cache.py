@@ -48,8 +48,8 @@ def causal_mask(N: int, offset: int, return_array: bool = False, window_size: Op
 FIT_TOKENS = 16   # a learning codec is fitted on this many tokens after the sinks
 
 
-def _fitted(codec: Codec) -> bool:
-    """False for a codec that learns from data (``fit``) and has not yet."""
+def codec_ready(codec: Codec) -> bool:
+    """Whether ``codec`` can encode: False for a codec that learns from data (``fit``) and has not yet."""
     return not hasattr(codec, "fit") or getattr(codec, "fitted", True)
 
 
@@ -195,7 +195,7 @@ class TurboQuantKVCache(CacheBase):
 
     def _update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check(keys, values)
-        if self._warm is not None or not (_fitted(self.key_codec) and _fitted(self.value_codec)):
+        if self._warm is not None or not (codec_ready(self.key_codec) and codec_ready(self.value_codec)):
             return self._learn(keys, values)
         self._store(keys, values)
         return self._fetch(*self._held())
@@ -239,7 +239,7 @@ class TurboQuantKVCache(CacheBase):
         kc = from_config(w["configs"][0])
         vc = kc if w["shared"] else from_config(w["configs"][1])
         for codec, x in ((kc, k_all), (vc, v_all)):
-            if not _fitted(codec):
+            if not codec_ready(codec):
                 codec.fit(x[..., lo:n, :])
         return kc, vc
 
@@ -641,7 +641,7 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
         cache = cls(max_size, key_codec, value_codec, keep=keep)
         cache._check(keys, values)
         for codec, x in ((cache.key_codec, keys), (cache.value_codec, values)):
-            if not _fitted(codec):
+            if not codec_ready(codec):
                 codec.fit(x[..., :cache.fit_tokens, :])
         cache.key_codes, cache.value_codes = cache._encode(keys, values)
         cache.offset = check_int("offset", offset, 0)

@@ -27,6 +27,15 @@ that cost; Chapter 10 measures it). It supports plain (global) layers; sliding-w
 refused, as are RoPE variants other than mlx's ``nn.RoPE`` (Llama-3, YaRN, dynamic NTK
 scaling; linear scaling is an ``nn.RoPE`` and works). Not supported either: saving
 (``save_prompt_cache`` refuses it) and batching (no ``merge``).
+
+``TurnedMeanCache`` keeps what the lever gains and drops that cost. RoPE is orthogonal, so
+‖k_t − μ‖ = ‖R_t k_t − R_t μ‖: coding the post-RoPE residual R_t k_t − R_t μ, with μ the key
+mean learned *before* RoPE, leaves the codec exactly the energy a pre-RoPE cache codes, and the
+codes stay in the frame attention reads. The mean simply turns with the position. Attention from
+codes scores the residual codes with the one rotated query as usual and adds q·R_t μ to each
+score — a (T, D) table of turned means per kv head and one matrix product per query, no
+decoding (``TurnedCodesView.score_bias``; computed at each step, transient memory
+H_kv·T·D floats per layer, never stored).
 """
 from __future__ import annotations
 
@@ -35,10 +44,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import TurboQuantKVCache, TurboQuantRotatingKVCache
+from .cache import TurboQuantKVCache, TurboQuantRotatingKVCache, codec_ready
 from .cache_base import CacheBase, codes_mode
+from .checks import check_int
+from .codes import CodesView
 
-__all__ = ["Rope", "rope_of", "PreRopeCache", "pre_rope", "centering_residual"]
+__all__ = ["Rope", "rope_of", "PreRopeCache", "pre_rope", "TurnedMeanCache", "TurnedCodesView", "turned_mean",
+           "centering_residual"]
 
 
 @dataclass(frozen=True)
@@ -145,6 +157,194 @@ def pre_rope(model, cache: list) -> list:
     if len(ropes) != len(cache):
         raise ValueError(f"the cache has {len(cache)} layers, the model {len(ropes)}")
     return [PreRopeCache(c, r) for c, r in zip(cache, ropes)]
+
+
+class TurnedCodesView(CodesView):
+    """The keys of a ``TurnedMeanCache`` as attention from codes reads them: codes (and exact
+    sinks) of the residuals R_t k_t − R_t μ, plus the pre-RoPE mean μ (H_kv, D) and the RoPE that
+    turns it. ``score_bias`` gives q·R_t μ for every held position; ``dequantize`` adds R_t μ."""
+
+    def __init__(self, view: CodesView, mean: mx.array, rope: Rope):
+        super().__init__(view.codec, view.buffer, view.dtype, view.recent, view.sink)
+        self.mean, self.rope = mean, rope
+
+    def turned_mean(self) -> mx.array:
+        """R_t μ for t = 0…T−1: (1, H_kv, T, D), float32."""
+        return _turned(self.mean, 0, self.shape[2], self.rope)
+
+    def score_bias(self, qf: mx.array) -> mx.array:
+        """q·R_t μ: (B, H_kv, R, Tq, T) for scaled queries ``qf`` (B, H_kv, R, Tq, D)."""
+        return qf @ mx.swapaxes(self.turned_mean(), -1, -2)[:, :, None]
+
+    def dequantize(self) -> mx.array:
+        x = super().dequantize()
+        return (x.astype(mx.float32) + self.turned_mean()).astype(x.dtype)
+
+
+def _turned(mean: mx.array, offset: int, T: int, rope: Rope) -> mx.array:
+    """R_t μ for t = offset…offset+T−1: (1, H, T, D) float32 from μ (H, D)."""
+    H, D = mean.shape
+    return rope.apply(mx.broadcast_to(mean[None, :, None, :], (1, H, T, D)), offset)
+
+
+class TurnedMeanCache(CacheBase):
+    """``TurnedMeanCache(inner, rope)``: keys centred by a mean learned before RoPE and turned
+    with each position; codes read by attention from codes without decoding.
+
+    ``inner``: an empty plain ``TurboQuantKVCache`` whose key codec is ``Centered`` (not yet
+    fitted) around a codec that learns nothing else, with a value codec that learns nothing
+    (the budgets of ``make_prompt_cache(budget=…)`` and ``budget.codecs_for(…, center_keys=True)``).
+    The wrapper takes it over: its key codec becomes the one inside ``Centered``, and the mean is
+    learned here, as ``Centered`` learns it in a cache — per kv head, on the ``fit_tokens`` = F
+    keys after the S sinks, but with RoPE undone (μ = mean of R_t⁻¹ k_t). Until S + F tokens
+    have come the wrapper holds them exactly (whatever chunks they arrive in); then ``inner``
+    receives all of them at once and every later token as R_t k_t − R_t μ, and keeps the first
+    S + F exactly (as the centred cache it replaces does). Every query sees the same cache however
+    the prompt is fed, to float rounding.
+
+    ``update_and_fetch`` returns keys with R_t μ added back (decoded), or under
+    ``codes_attention`` a ``TurnedCodesView`` (scores from codes plus q·R_t μ). Offsets, bytes
+    (codes, exact tokens and the (H_kv, D) float32 mean), trimming and masks are the wrapped
+    cache's; a trim back into the first S + F tokens forgets the mean and learns it again from
+    the tokens that remain. Plain (global) layers only; not saved (``save_prompt_cache`` refuses
+    it) and not batchable, like ``PreRopeCache``."""
+
+    def __init__(self, inner: TurboQuantKVCache, rope: Rope):
+        from .codecs import Centered
+        if isinstance(inner, TurboQuantRotatingKVCache) or not isinstance(inner, TurboQuantKVCache):
+            raise TypeError(f"TurnedMeanCache wraps a plain TurboQuantKVCache, got {type(inner).__name__} "
+                            "(sliding-window layers are not supported)")
+        if not inner.empty():
+            raise ValueError(f"TurnedMeanCache needs an empty cache; this one holds {inner.offset} tokens")
+        if not isinstance(rope, Rope):
+            raise TypeError(f"rope must be a turboquant.prerope.Rope, got {type(rope).__name__}")
+        kc = inner.key_codec
+        if not isinstance(kc, Centered) or kc.mean is not None:
+            raise ValueError("TurnedMeanCache replaces a learned key mean: the cache's key codec must be an "
+                             f"unfitted Centered codec, got {kc.config()['codec']}"
+                             + (" (already fitted)" if isinstance(kc, Centered) else ""))
+        if not (codec_ready(kc.inner) and codec_ready(inner.value_codec)):
+            raise ValueError("TurnedMeanCache learns only the key mean; codecs that learn from data "
+                             f"({kc.inner.config()['codec']} inside Centered, {inner.value_codec.config()['codec']} "
+                             "for values) are not supported")
+        if rope.dims > kc.dim:
+            raise ValueError(f"RoPE turns {rope.dims} channels, more than the key codec's head size {kc.dim}")
+        self.fit_from, self.fit_tokens = inner.sink_tokens, inner.fit_tokens
+        inner.key_codec = kc.inner
+        inner.fitted_positions = getattr(kc.inner, "positions", None)
+        inner.sink_tokens = self.fit_from + self.fit_tokens
+        self.inner, self.rope = inner, rope
+        self.mean = None                            # (H_kv, D) float32, once learned
+        self._warm_k = self._warm_v = None          # the exact tokens held until then
+
+    # ----------------------------------------------------------------- protocol
+    @property
+    def offset(self) -> int:
+        return self.inner.offset if self.mean is not None else (0 if self._warm_k is None else self._warm_k.shape[2])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """keys, values: (B, H, T, D), keys after RoPE at positions offset…offset+T−1. Returns all
+        held keys (after RoPE; R_t μ added back) and values, (B, H, offset+T, D), or their codes
+        under ``codes_attention`` (exact arrays while the mean is not yet learned)."""
+        D = self.inner.key_codec.dim
+        for name, a in (("keys", keys), ("values", values)):
+            if not isinstance(a, mx.array) or a.ndim != 4 or a.shape[-1] != D:
+                raise ValueError(f"{name} must be an mx.array of shape (B, H, T, {D}), got "
+                                 f"{tuple(a.shape) if isinstance(a, mx.array) else type(a).__name__}")
+        if keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree in (B, H, T)")
+        if self.mean is not None:
+            o, T = self.inner.offset, keys.shape[2]
+            res = (keys.astype(mx.float32) - _turned(self.mean, o, T, self.rope)).astype(keys.dtype)
+            return self._out(*self.inner.update_and_fetch(res, values))
+        if self._warm_k is not None and self._warm_k.shape[:2] != keys.shape[:2]:
+            raise ValueError(f"this cache holds batch × kv heads {tuple(self._warm_k.shape[:2])}; new keys have "
+                             f"{tuple(keys.shape[:2])}")
+        k = keys if self._warm_k is None else mx.concatenate([self._warm_k, keys], axis=2)
+        v = values if self._warm_v is None else mx.concatenate([self._warm_v, values], axis=2)
+        S, F, n = self.fit_from, self.fit_tokens, k.shape[2]
+        if n < S + F:
+            self._warm_k, self._warm_v = k, v
+            return k, v
+        fit = self.rope.apply(k[..., S:S + F, :].astype(mx.float32), S, inverse=True)
+        mean = mx.mean(mx.moveaxis(fit, 1, 0).reshape(fit.shape[1], -1, D), axis=1)
+        res = (k.astype(mx.float32) - _turned(mean, 0, n, self.rope)).astype(k.dtype)
+        out = self.inner.update_and_fetch(res, v)          # a failure here leaves this cache as it was
+        self.mean, self._warm_k, self._warm_v = mean, None, None
+        return self._out(*out)
+
+    def _out(self, k, v):
+        if isinstance(k, CodesView):
+            return TurnedCodesView(k, self.mean, self.rope), v
+        return (k.astype(mx.float32) + _turned(self.mean, 0, k.shape[2], self.rope)).astype(k.dtype), v
+
+    @property
+    def nbytes(self) -> int:
+        """The wrapped cache's bytes, the float32 mean, and the exact tokens held while it is learned."""
+        if self.mean is None:
+            return 0 if self._warm_k is None else self._warm_k.nbytes + self._warm_v.nbytes
+        return self.inner.nbytes + self.mean.nbytes
+
+    key_codec = property(lambda self: self.inner.key_codec)
+    value_codec = property(lambda self: self.inner.value_codec)
+    n_layers = property(lambda self: getattr(self.inner, "n_layers", None))   # codes_attention's layer check
+
+    @property
+    def state(self):
+        """Arrays to evaluate (mlx-lm's generation loop evaluates ``state``); not a saveable state."""
+        if self.mean is None:
+            return [] if self._warm_k is None else [self._warm_k, self._warm_v]
+        return [self.mean, *self.inner.state[:3]]
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def is_trimmable(self) -> bool:
+        return self.inner.is_trimmable()
+
+    def trim(self, n: int) -> int:
+        n = min(check_int("trim(n): n", n, 0), self.offset)
+        keep = self.offset - n
+        if self.mean is None:
+            if self._warm_k is not None:
+                self._warm_k, self._warm_v = ((self._warm_k[..., :keep, :], self._warm_v[..., :keep, :])
+                                              if keep else (None, None))
+            return n
+        if keep >= self.fit_from + self.fit_tokens:
+            return self.inner.trim(n)
+        if not self.inner.is_trimmable():
+            return self.inner.trim(n)                        # the wrapped cache's own refusal
+        # back into the tokens the mean was learned on: all held exactly; learn again from them
+        k = self.inner.sink_keys[..., :keep, :]
+        k = (k.astype(mx.float32) + _turned(self.mean, 0, keep, self.rope)).astype(k.dtype)
+        v = self.inner.sink_values[..., :keep, :]
+        self.inner.trim(self.inner.offset)
+        self.mean = None
+        self._warm_k, self._warm_v = (k, v) if keep else (None, None)
+        return n
+
+    def __deepcopy__(self, memo):
+        import copy
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.inner = copy.deepcopy(self.inner, memo)
+        new.mean, new._warm_k, new._warm_v = (None if a is None else mx.array(a)
+                                               for a in (self.mean, self._warm_k, self._warm_v))
+        return new
+
+    def __repr__(self) -> str:
+        return f"TurnedMeanCache({self.inner!r}, {self.rope})"
+
+
+def turned_mean(model, cache: list) -> list:
+    """``cache`` (a fresh prompt cache for ``model`` with centred keys, e.g.
+    ``make_prompt_cache(model, budget=…)``) with every layer's cache wrapped in a
+    ``TurnedMeanCache``: the key mean learned before RoPE and turned with each position, the
+    codes still read by attention from codes. Sliding-window layers are refused."""
+    ropes = rope_of(model)
+    if len(ropes) != len(cache):
+        raise ValueError(f"the cache has {len(cache)} layers, the model {len(ropes)}")
+    return [TurnedMeanCache(c, r) for c, r in zip(cache, ropes)]
 
 
 def centering_residual(keys: mx.array, rope: Rope, fit_tokens: int = 16, sinks: int = 1) -> tuple:

@@ -157,7 +157,8 @@ class Codecs(Config):
     fp_window: int = 0
     sink_tokens: int = 0
     note: str = ""
-    pre_rope: bool = False          # keys coded before RoPE (``turboquant.prerope``)
+    pre_rope: bool = False          # keys coded before RoPE (``turboquant.prerope.pre_rope``)
+    turned_mean: bool = False       # the key mean learned before RoPE (``turboquant.prerope.turned_mean``)
 
     def make_cache(self, model, stats=None):
         # on models with sliding-window layers fp_window and sinks apply to the global layers
@@ -165,10 +166,11 @@ class Codecs(Config):
         make = lambda: make_prompt_cache(model, key_codec=self.key, value_codec=self.value or self.key,
                                          fp_window=self.fp_window, sink_tokens=self.sink_tokens,
                                          warn_rotating=False)
-        if self.pre_rope:
-            from .prerope import pre_rope
-            pre_rope(model, make())             # an unsupported model fails here, not in the first window
-            return lambda: pre_rope(model, make())
+        if self.pre_rope or self.turned_mean:
+            from . import prerope
+            wrap = prerope.pre_rope if self.pre_rope else prerope.turned_mean
+            wrap(model, make())                 # an unsupported model fails here, not in the first window
+            return lambda: wrap(model, make())
         return make
 
     def bits(self, dim):
@@ -176,7 +178,7 @@ class Codecs(Config):
         return (kc.bits_per_coordinate + vc.bits_per_coordinate) / 2
 
     def fidelity_codecs(self):
-        if self.pre_rope:               # the per-layer fidelity codes keys after RoPE
+        if self.pre_rope or self.turned_mean:   # the per-layer fidelity centres keys after RoPE
             return None
         return self.key, self.value or self.key, self.sink_tokens
 
@@ -265,16 +267,25 @@ def _mse(family, key_bits, value_bits=None, center_keys=False, center_values=Fal
     return Codecs(family, k, v, **kw)
 
 
-def _budget_configs(pre_rope: bool = False):
-    """The uncalibrated budgets as rows; ``pre_rope``: the same codecs, seeds and sinks with the
-    keys coded before RoPE (Chapter 10's lever), the key mean then learned where it does not
-    turn with the position."""
-    prefix, family, note = (("pre-RoPE ", "budget, keys before RoPE (lever)",
-                             "; keys coded before RoPE, decoded and turned back at each step (no attention "
-                             "from codes)") if pre_rope else ("", "budget (centered keys + sink)", ""))
+_ROPE_LEVERS = {   # Chapter 10's levers on the keys' RoPE: row prefix, family, note
+    None: ("", "budget (centered keys + sink)", ""),
+    "pre_rope": ("pre-RoPE ", "budget, keys before RoPE (lever)",
+                 "; keys coded before RoPE, decoded and turned back at each step (no attention from codes)"),
+    "turned_mean": ("turned-mean ", "budget, key mean before RoPE (lever)",
+                    "; key mean learned before RoPE and turned with each position; attention from codes "
+                    "adds q·R_t μ to each score"),
+}
+
+
+def _budget_configs(lever: Optional[str] = None):
+    """The uncalibrated budgets as rows; ``lever`` "pre_rope": the same codecs, seeds and sinks
+    with the keys coded before RoPE (Chapter 10's lever), the key mean then learned where it
+    does not turn with the position; "turned_mean": keys coded after RoPE, centred by that
+    pre-RoPE mean turned to each position."""
+    prefix, family, note = _ROPE_LEVERS[lever]
     return {f"{prefix}budget K{b.key_bits}/V{b.value_bits}": _mse(
-        family, b.key_bits, b.value_bits, b.center_keys, sink_tokens=b.sink_tokens, pre_rope=pre_rope,
-        note=b.name + note) for b in BUDGETS}
+        family, b.key_bits, b.value_bits, b.center_keys, sink_tokens=b.sink_tokens,
+        pre_rope=lever == "pre_rope", turned_mean=lever == "turned_mean", note=b.name + note) for b in BUDGETS}
 
 
 CONFIGS: dict[str, Config] = {
@@ -301,7 +312,8 @@ CONFIGS: dict[str, Config] = {
     "centered TQ-mse 4": _mse("centered", 4, center_keys=True, center_values=True),   # both centred, as recorded
     "centered TQ-mse 3": _mse("centered", 3, center_keys=True, center_values=True),
     **_budget_configs(),
-    **_budget_configs(pre_rope=True),
+    **_budget_configs("pre_rope"),
+    **_budget_configs("turned_mean"),
     # ---- published methods, reproduced on the same tokens (Chapter 10)
     **{f"rotated affine {b}": Codecs("rotated affine", lambda d, b=b: AffineCodec(d, b, 64, rotation="hadamard"),
                                      note="randomized Hadamard, then mx.quantize g=64 (mlx-lm #1555, "

@@ -18,7 +18,7 @@ FAMILY_ORDER = (
     "budget (centered keys + sink)", "calibrated transform coding", "calibrated transform coding (ablation)",
     "calibrated transform coding (levers)", "centered", "mlx-lm affine", "outlier split", "per-vector uniform",
     "profile (make_prompt_cache(bits=…, profile=True))", "recent window", "rotated affine", "split channels",
-    "budget, keys before RoPE (lever)",
+    "budget, keys before RoPE (lever)", "budget, key mean before RoPE (lever)",
 )
 
 
