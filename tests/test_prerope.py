@@ -242,7 +242,8 @@ def test_turned_mean_codes_are_read_without_decoding(llama):
     c = cache[0]
     assert isinstance(c, TurnedMeanCache) and c.key_codec.config()["codec"] == "turboquant_mse"
     assert c.inner.sink_tokens == 17 and c.offset == 80 and c.mean.shape == (2, 32)
-    assert c.nbytes == c.inner.nbytes + 2 * 32 * 4
+    assert c.nbytes == c.inner.nbytes and c.side_nbytes == 2 * 32 * 4     # the mean: side information
+    assert c.code_nbytes() == c.inner.code_nbytes() > 0 and c.exact_nbytes == c.inner.exact_nbytes
     with returning_codes():
         kv, _ = c.update_and_fetch(mx.ones((1, 2, 1, 32)), mx.ones((1, 2, 1, 32)))
     assert isinstance(kv, TurnedCodesView)
@@ -344,3 +345,59 @@ def test_turned_mean_suite_rows(llama):
     cache = cfg.make_cache(llama)()
     assert all(isinstance(c, TurnedMeanCache) for c in cache)
     assert cache[0].key_codec.config() == plain.make_cache(llama)()[0].key_codec.config()["inner"]
+
+
+def test_turned_mean_learns_the_mean_before_rope_after_the_sinks():
+    """μ is the per-head mean of the keys with RoPE undone at positions S … S + F − 1 (here
+    S = 2 sinks, F = 16), over the batch too, however the prompt arrives."""
+    from turboquant.prerope import TurnedMeanCache
+    D, rope = 32, Rope(32, False, 10000.0, 1.0)
+    keys = mx.random.normal((2, 3, 40, D), key=mx.random.key(7))
+    k, v = codecs_for(4, 4, True)
+    want = mx.mean(rope.apply(keys, 0, inverse=True)[..., 2:18, :], axis=(0, 2))
+    for chunks in ([40], [1, 1, 15, 23], [18, 22]):
+        cache, pos = TurnedMeanCache(tq.TurboQuantKVCache(k(D), v(D), sink_tokens=2), rope), 0
+        for c in chunks:
+            cache.update_and_fetch(keys[..., pos:pos + c, :], keys[..., pos:pos + c, :])
+            pos += c
+        assert cache.mean.shape == (3, D) and mx.max(mx.abs(cache.mean - want)).item() < 1e-5, chunks
+
+
+def test_turned_mean_keeps_bfloat16_keys_exact(llama):
+    """The residuals stay float32, so with exact codecs a bfloat16 model's outputs are exactly
+    those of mlx-lm's cache when keys are decoded (a residual rounded to bfloat16, and rounded
+    again after R_t μ is added back, would not be); from codes (attention in float32) they are
+    those of the plain centred cache."""
+    import copy
+    from turboquant.codecs import Centered
+    half = copy.deepcopy(llama)
+    half.set_dtype(mx.bfloat16)
+    x = toks(40, seed=5)
+    ref = run_in_chunks(half, x, mlx_cache.make_prompt_cache(half), [20, 1, 19])
+    out = run_in_chunks(half, x, exact_turned(half), [20, 1, 19])
+    assert out.dtype == mx.bfloat16 and mx.array_equal(out, ref)
+    plain = tq.make_prompt_cache(half, key_codec=lambda d: Centered(Identity(d)), value_codec=Identity(32),
+                                 sink_tokens=1)
+    with tq.codes_attention(half):
+        codes = run_in_chunks(half, x, exact_turned(half), [20, 1, 19])
+        centred = run_in_chunks(half, x, plain, [20, 1, 19])
+    assert mx.max(mx.abs(codes.astype(mx.float32) - centred.astype(mx.float32))).item() < 1e-2
+
+
+def test_turned_mean_layers_out_of_step_are_refused(llama):
+    """While the mean is learned the inner caches see nothing; the wrappers check that the
+    model's layers take tokens in step (a slice of the cache list passed to the model) and mark
+    the prompt cache unusable, as the plain caches do."""
+    k, v = codecs_for(4, 4, True)
+    cache = tq.turned_mean(llama, tq.make_prompt_cache(llama, key_codec=k, value_codec=v, sink_tokens=1))
+    x = toks(20, seed=6)
+    run_in_chunks(llama, x[:, :10], cache[:1], [10])
+    with pytest.raises(ValueError, match="unusable"):
+        run_in_chunks(llama, x[:, 10:15], cache, [5])
+    with pytest.raises(ValueError, match="unusable"):
+        run_in_chunks(llama, x[:, 10:15], cache, [5])
+    import copy
+    twin = copy.deepcopy(tq.turned_mean(llama, tq.make_prompt_cache(llama, key_codec=k, value_codec=v)))
+    run_in_chunks(llama, x[:, :10], twin[:1], [10])              # a copied list checks its own layers
+    with pytest.raises(ValueError, match="unusable"):
+        run_in_chunks(llama, x[:, 10:15], twin, [5])

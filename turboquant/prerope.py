@@ -199,17 +199,35 @@ class TurnedMeanCache(CacheBase):
     keys after the S sinks, but with RoPE undone (μ = mean of R_t⁻¹ k_t). Until S + F tokens
     have come the wrapper holds them exactly (whatever chunks they arrive in); then ``inner``
     receives all of them at once and every later token as R_t k_t − R_t μ, and keeps the first
-    S + F exactly (as the centred cache it replaces does). Every query sees the same cache however
-    the prompt is fed, to float rounding.
+    S + F exactly (as the centred cache it replaces does). The residuals are handed over in
+    float32 whatever the keys' dtype, so the exact tokens stay exact (their copies then take
+    float32 bytes). Every query sees the same cache however the prompt is fed, to float rounding;
+    the model's layers must take tokens in step (checked while the mean is learned too, when the
+    wrappers come from ``turned_mean``).
 
     ``update_and_fetch`` returns keys with R_t μ added back (decoded), or under
     ``codes_attention`` a ``TurnedCodesView`` (scores from codes plus q·R_t μ). Offsets, bytes
-    (codes, exact tokens and the (H_kv, D) float32 mean), trimming and masks are the wrapped
-    cache's; a trim back into the first S + F tokens forgets the mean and learns it again from
+    (codes and exact tokens; the (H_kv, D) float32 mean is ``side_nbytes``, as ``Centered``'s
+    is), trimming and masks are the wrapped cache's; a trim back into the first S + F tokens forgets the mean and learns it again from
     the tokens that remain. Plain (global) layers only; not saved (``save_prompt_cache`` refuses
     it) and not batchable, like ``PreRopeCache``."""
 
     def __init__(self, inner: TurboQuantKVCache, rope: Rope):
+        self.refuse(inner, rope)
+        kc = inner.key_codec
+        self.fit_from, self.fit_tokens = inner.sink_tokens, inner.fit_tokens
+        inner.key_codec = kc.inner
+        inner.fitted_positions = getattr(kc.inner, "positions", None)
+        inner.sink_tokens = self.fit_from + self.fit_tokens
+        self.inner, self.rope = inner, rope
+        self.mean = None                            # (H_kv, D) float32, once learned
+        self._warm_k = self._warm_v = None          # the exact tokens held until then
+        self.dtype = mx.float32                     # of the keys given (the inner cache holds float32 residuals)
+        self._peers, self._index = None, None       # the prompt cache's wrappers (``turned_mean``), this one's place
+
+    @staticmethod
+    def refuse(inner, rope) -> None:
+        """Raise if ``inner`` and ``rope`` cannot be wrapped (before anything is changed)."""
         from .codecs import Centered
         if isinstance(inner, TurboQuantRotatingKVCache) or not isinstance(inner, TurboQuantKVCache):
             raise TypeError(f"TurnedMeanCache wraps a plain TurboQuantKVCache, got {type(inner).__name__} "
@@ -229,13 +247,6 @@ class TurnedMeanCache(CacheBase):
                              "for values) are not supported")
         if rope.dims > kc.dim:
             raise ValueError(f"RoPE turns {rope.dims} channels, more than the key codec's head size {kc.dim}")
-        self.fit_from, self.fit_tokens = inner.sink_tokens, inner.fit_tokens
-        inner.key_codec = kc.inner
-        inner.fitted_positions = getattr(kc.inner, "positions", None)
-        inner.sink_tokens = self.fit_from + self.fit_tokens
-        self.inner, self.rope = inner, rope
-        self.mean = None                            # (H_kv, D) float32, once learned
-        self._warm_k = self._warm_v = None          # the exact tokens held until then
 
     # ----------------------------------------------------------------- protocol
     @property
@@ -254,9 +265,12 @@ class TurnedMeanCache(CacheBase):
         if keys.shape[:3] != values.shape[:3]:
             raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree in (B, H, T)")
         if self.mean is not None:
+            # the residuals stay float32 (the exact tokens among them are then exact in any dtype)
             o, T = self.inner.offset, keys.shape[2]
-            res = (keys.astype(mx.float32) - _turned(self.mean, o, T, self.rope)).astype(keys.dtype)
-            return self._out(*self.inner.update_and_fetch(res, values))
+            self.dtype = keys.dtype
+            return self._out(*self.inner.update_and_fetch(
+                keys.astype(mx.float32) - _turned(self.mean, o, T, self.rope), values))
+        self._check_in_step(keys.shape[2])
         if self._warm_k is not None and self._warm_k.shape[:2] != keys.shape[:2]:
             raise ValueError(f"this cache holds batch × kv heads {tuple(self._warm_k.shape[:2])}; new keys have "
                              f"{tuple(keys.shape[:2])}")
@@ -268,22 +282,61 @@ class TurnedMeanCache(CacheBase):
             return k, v
         fit = self.rope.apply(k[..., S:S + F, :].astype(mx.float32), S, inverse=True)
         mean = mx.mean(mx.moveaxis(fit, 1, 0).reshape(fit.shape[1], -1, D), axis=1)
-        res = (k.astype(mx.float32) - _turned(mean, 0, n, self.rope)).astype(k.dtype)
+        res = k.astype(mx.float32) - _turned(mean, 0, n, self.rope)
         out = self.inner.update_and_fetch(res, v)          # a failure here leaves this cache as it was
-        self.mean, self._warm_k, self._warm_v = mean, None, None
+        self.mean, self._warm_k, self._warm_v, self.dtype = mean, None, None, keys.dtype
         return self._out(*out)
+
+    def _check_in_step(self, T: int) -> None:
+        """While the mean is learned the inner cache sees no tokens, so its check that the layers
+        take tokens in step (``TurboQuantKVCache._check_in_step``) does not run: the same check
+        on the wrappers' offsets (layers before this one hold offset + T, those after it offset).
+        A mismatch marks the whole prompt cache unusable, as the inner caches' check does."""
+        peers, i = self._peers, self._index
+        group = getattr(self.inner, "group", None)
+        if group is not None and group["broken"]:
+            raise ValueError(group["broken"])
+        if peers is None or i is None or i >= len(peers) or peers[i] is not self:
+            return
+        o = self.offset
+        odd = [n for n in range(i) if peers[n].offset != o + T] + \
+              [n for n in range(i + 1, len(peers)) if peers[n].offset != o]
+        if odd:
+            why = (f"this prompt cache is unusable: layer {i} was given tokens while layer(s) {odd[0]}..{odd[-1]} "
+                   "were not: either the model was passed only part of the cache list (pass the whole list of "
+                   f"{len(peers)} caches), or an earlier forward pass stopped part-way. Make a new cache")
+            if group is not None:
+                group["broken"] = why
+            raise ValueError(why)
 
     def _out(self, k, v):
         if isinstance(k, CodesView):
             return TurnedCodesView(k, self.mean, self.rope), v
-        return (k.astype(mx.float32) + _turned(self.mean, 0, k.shape[2], self.rope)).astype(k.dtype), v
+        return (k.astype(mx.float32) + _turned(self.mean, 0, k.shape[2], self.rope)).astype(self.dtype), \
+            v.astype(self.dtype)
 
     @property
     def nbytes(self) -> int:
-        """The wrapped cache's bytes, the float32 mean, and the exact tokens held while it is learned."""
-        if self.mean is None:
-            return 0 if self._warm_k is None else self._warm_k.nbytes + self._warm_v.nbytes
-        return self.inner.nbytes + self.mean.nbytes
+        """The wrapped cache's bytes (its codes and exact tokens), or the exact tokens held while
+        the mean is learned. The mean, per layer like ``Centered``'s, is ``side_nbytes``."""
+        return self.inner.nbytes + self._warm_nbytes()
+
+    def _warm_nbytes(self) -> int:
+        return 0 if self._warm_k is None else self._warm_k.nbytes + self._warm_v.nbytes
+
+    @property
+    def exact_nbytes(self) -> int:
+        """Bytes of the tokens held exactly (``TurboQuantKVCache.exact_nbytes``)."""
+        return self.inner.exact_nbytes + self._warm_nbytes()
+
+    def code_nbytes(self, n_tokens=None) -> int:
+        """The bit accounting of the codes (``TurboQuantKVCache.code_nbytes``); 0 while learning."""
+        return 0 if self.mean is None else self.inner.code_nbytes(n_tokens)
+
+    @property
+    def side_nbytes(self) -> int:
+        """Bytes of the float32 mean μ (H_kv, D), once learned."""
+        return 0 if self.mean is None else self.mean.nbytes
 
     key_codec = property(lambda self: self.inner.key_codec)
     value_codec = property(lambda self: self.inner.value_codec)
@@ -316,7 +369,7 @@ class TurnedMeanCache(CacheBase):
             return self.inner.trim(n)                        # the wrapped cache's own refusal
         # back into the tokens the mean was learned on: all held exactly; learn again from them
         k = self.inner.sink_keys[..., :keep, :]
-        k = (k.astype(mx.float32) + _turned(self.mean, 0, keep, self.rope)).astype(k.dtype)
+        k = (k.astype(mx.float32) + _turned(self.mean, 0, keep, self.rope)).astype(self.dtype)
         v = self.inner.sink_values[..., :keep, :]
         self.inner.trim(self.inner.offset)
         self.mean = None
@@ -326,7 +379,9 @@ class TurnedMeanCache(CacheBase):
     def __deepcopy__(self, memo):
         import copy
         new = type(self).__new__(type(self))
+        memo[id(self)] = new
         new.__dict__.update(self.__dict__)
+        new._peers = memo.get(id(self._peers))      # the copy of the list being copied, if it is
         new.inner = copy.deepcopy(self.inner, memo)
         new.mean, new._warm_k, new._warm_v = (None if a is None else mx.array(a)
                                                for a in (self.mean, self._warm_k, self._warm_v))
@@ -344,7 +399,12 @@ def turned_mean(model, cache: list) -> list:
     ropes = rope_of(model)
     if len(ropes) != len(cache):
         raise ValueError(f"the cache has {len(cache)} layers, the model {len(ropes)}")
-    return [TurnedMeanCache(c, r) for c, r in zip(cache, ropes)]
+    for c, r in zip(cache, ropes):
+        TurnedMeanCache.refuse(c, r)                # every layer checked before any is changed
+    out = [TurnedMeanCache(c, r) for c, r in zip(cache, ropes)]
+    for i, c in enumerate(out):
+        c._peers, c._index = out, i
+    return out
 
 
 def centering_residual(keys: mx.array, rope: Rope, fit_tokens: int = 16, sinks: int = 1) -> tuple:
