@@ -401,3 +401,19 @@ def test_turned_mean_layers_out_of_step_are_refused(llama):
     run_in_chunks(llama, x[:, :10], twin[:1], [10])              # a copied list checks its own layers
     with pytest.raises(ValueError, match="unusable"):
         run_in_chunks(llama, x[:, 10:15], twin, [5])
+
+
+@pytest.mark.parametrize("traditional,dims", [(False, 32), (True, 32), (False, 16)])
+def test_score_bias_is_the_query_times_the_turned_mean(traditional, dims):
+    """The cosine-and-sine form of q·R_t μ equals scoring the turned means themselves (RoPE on
+    μ repeated at every position), for both pair layouts and a RoPE narrower than the head."""
+    from turboquant.codes import CodeBuffer, CodesView
+    from turboquant.prerope import TurnedCodesView, angle_table
+    D, T, rope = 32, 50, Rope(dims, traditional, 10000.0, 1.0)
+    mean = mx.random.normal((2, D), key=mx.random.key(8))
+    buf = CodeBuffer({"x": mx.zeros((1, 2, T, 1))})
+    view = TurnedCodesView(CodesView(Identity(D), buf, mx.float32), mean, rope)
+    qf = mx.random.normal((1, 2, 3, 4, D), key=mx.random.key(9))
+    direct = qf @ mx.swapaxes(view.turned_mean(), -1, -2)[:, :, None]
+    assert mx.max(mx.abs(view.score_bias(qf) - direct)).item() < 1e-4
+    assert angle_table(rope, T).shape == (T, dims)

@@ -33,9 +33,10 @@ scaling; linear scaling is an ``nn.RoPE`` and works). Not supported either: savi
 mean learned *before* RoPE, leaves the codec exactly the energy a pre-RoPE cache codes, and the
 codes stay in the frame attention reads. The mean simply turns with the position. Attention from
 codes scores the residual codes with the one rotated query as usual and adds q·R_t μ to each
-score — a (T, D) table of turned means per kv head and one matrix product per query, no
-decoding (``TurnedCodesView.score_bias``; computed at each step, transient memory
-H_kv·T·D floats per layer, never stored).
+score — per RoPE pair a cosine and a sine of the position, weighted by the query and μ: one
+(T, dims) table of the positions' angles shared by every layer and head, and one matrix product
+per query, no decoding (``TurnedCodesView.score_bias``, ``angle_table``: recomputed when the
+length changes, T·dims floats, never part of the cache).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ from .checks import check_int
 from .codes import CodesView
 
 __all__ = ["Rope", "rope_of", "PreRopeCache", "pre_rope", "TurnedMeanCache", "TurnedCodesView", "turned_mean",
-           "centering_residual"]
+           "angle_table", "centering_residual"]
 
 
 @dataclass(frozen=True)
@@ -173,12 +174,52 @@ class TurnedCodesView(CodesView):
         return _turned(self.mean, 0, self.shape[2], self.rope)
 
     def score_bias(self, qf: mx.array) -> mx.array:
-        """q·R_t μ: (B, H_kv, R, Tq, T) for scaled queries ``qf`` (B, H_kv, R, Tq, D)."""
-        return qf @ mx.swapaxes(self.turned_mean(), -1, -2)[:, :, None]
+        """q·R_t μ: (B, H_kv, R, Tq, T) for scaled queries ``qf`` (B, H_kv, R, Tq, D).
+
+        Per RoPE pair i (channels x, y of μ and q₁, q₂ of q, angle tθ_i), q·R_t μ sums
+        cos(tθ_i)(q₁x + q₂y) + sin(tθ_i)(q₂x − q₁y): one product of the query's 2·(dims/2)
+        coefficients with a (T, dims) table of cosines and sines that depends on the positions
+        only (``angle_table``, shared by every layer and head), plus q·μ over channels RoPE
+        leaves alone."""
+        d, mu = self.rope.dims, self.mean.astype(mx.float32)[None, :, None, None, :]   # (1, H_kv, 1, 1, D)
+        q = qf[..., :d]
+        if self.rope.traditional:                   # pairs (2i, 2i+1)
+            q1, q2, x, y = q[..., 0::2], q[..., 1::2], mu[..., 0:d:2], mu[..., 1:d:2]
+        else:                                       # pairs (i, i + d/2)
+            h = d // 2
+            q1, q2, x, y = q[..., :h], q[..., h:], mu[..., :h], mu[..., h:d]
+        a, b = q1 * x + q2 * y, q2 * x - q1 * y
+        ab = (mx.stack([a, b], axis=-1).reshape(*a.shape[:-1], d) if self.rope.traditional
+              else mx.concatenate([a, b], axis=-1))
+        bias = ab @ angle_table(self.rope, self.shape[2]).T
+        if d < self.mean.shape[-1]:
+            bias = bias + mx.sum(qf[..., d:] * mu[..., d:], axis=-1, keepdims=True)
+        return bias
 
     def dequantize(self) -> mx.array:
         x = super().dequantize()
         return (x.astype(mx.float32) + self.turned_mean()).astype(x.dtype)
+
+
+_TABLE: dict = {}          # the last angle table: (rope, T) → (T, dims); one per step, shared by the layers
+
+
+def angle_table(rope: Rope, T: int) -> mx.array:
+    """cos(tθ_i) and sin(tθ_i) for t = 0…T−1, laid out as RoPE lays out a pair's two channels
+    ((T, dims) float32: cosines in the x channels, sines in the y channels), computed by RoPE
+    itself (a unit vector in every x channel, turned), so the angles are bit for bit the
+    model's. The last table is kept (a step's layers share it; T·dims floats), not more."""
+    key = (rope, int(T))
+    table = _TABLE.get(key)
+    if table is None:
+        d = rope.dims
+        unit = mx.zeros((d,), mx.float32)
+        unit = unit.at[0:d:2].add(1.0) if rope.traditional else unit.at[:d // 2].add(1.0)
+        table = Rope(d, rope.traditional, rope.base, rope.scale).apply(
+            mx.broadcast_to(unit, (1, 1, int(T), d)), 0)[0, 0]
+        _TABLE.clear()
+        _TABLE[key] = table
+    return table
 
 
 def _turned(mean: mx.array, offset: int, T: int, rope: Rope) -> mx.array:
