@@ -90,6 +90,19 @@ def rope_of(model) -> list:
     return out
 
 
+def _refuse_wrapping(name: str, inner, rope) -> None:
+    """What both wrappers of this module refuse: anything but an empty plain
+    ``TurboQuantKVCache`` (a sliding-window cache's slots do not hold positions in order), or a
+    ``rope`` that is not a ``Rope``."""
+    if isinstance(inner, TurboQuantRotatingKVCache) or not isinstance(inner, TurboQuantKVCache):
+        raise TypeError(f"{name} wraps a plain TurboQuantKVCache, got {type(inner).__name__} "
+                        "(sliding-window layers are not supported)")
+    if not inner.empty():
+        raise ValueError(f"{name} needs an empty cache; this one holds {inner.offset} tokens")
+    if not isinstance(rope, Rope):
+        raise TypeError(f"rope must be a turboquant.prerope.Rope, got {type(rope).__name__}")
+
+
 class PreRopeCache(CacheBase):
     """``PreRopeCache(inner, rope)``: ``inner`` (a plain ``TurboQuantKVCache``, empty) codes
     the keys with ``rope`` undone; ``update_and_fetch`` returns keys with RoPE applied again.
@@ -97,13 +110,7 @@ class PreRopeCache(CacheBase):
     ``save_prompt_cache`` (it refuses anything but TurboQuant caches)."""
 
     def __init__(self, inner: TurboQuantKVCache, rope: Rope):
-        if isinstance(inner, TurboQuantRotatingKVCache) or not isinstance(inner, TurboQuantKVCache):
-            raise TypeError(f"PreRopeCache wraps a plain TurboQuantKVCache, got {type(inner).__name__} "
-                            "(sliding-window layers are not supported)")
-        if not inner.empty():
-            raise ValueError(f"PreRopeCache needs an empty cache; this one holds {inner.offset} tokens after RoPE")
-        if not isinstance(rope, Rope):
-            raise TypeError(f"rope must be a turboquant.prerope.Rope, got {type(rope).__name__}")
+        _refuse_wrapping("PreRopeCache", inner, rope)
         if rope.dims > inner.key_codec.dim:
             raise ValueError(f"RoPE turns {rope.dims} channels, more than the key codec's head size "
                              f"{inner.key_codec.dim}")
@@ -270,13 +277,7 @@ class TurnedMeanCache(CacheBase):
     def refuse(inner, rope) -> None:
         """Raise if ``inner`` and ``rope`` cannot be wrapped (before anything is changed)."""
         from .codecs import Centered
-        if isinstance(inner, TurboQuantRotatingKVCache) or not isinstance(inner, TurboQuantKVCache):
-            raise TypeError(f"TurnedMeanCache wraps a plain TurboQuantKVCache, got {type(inner).__name__} "
-                            "(sliding-window layers are not supported)")
-        if not inner.empty():
-            raise ValueError(f"TurnedMeanCache needs an empty cache; this one holds {inner.offset} tokens")
-        if not isinstance(rope, Rope):
-            raise TypeError(f"rope must be a turboquant.prerope.Rope, got {type(rope).__name__}")
+        _refuse_wrapping("TurnedMeanCache", inner, rope)
         kc = inner.key_codec
         if not isinstance(kc, Centered) or kc.mean is not None:
             raise ValueError("TurnedMeanCache replaces a learned key mean: the cache's key codec must be an "
