@@ -262,4 +262,5 @@ def generation_run(model: str = "smollm2-135m", context: int = 8192, new_tokens:
     runs = generation_tokens_per_second(net, caches, mx.array(ids, dtype=mx.int32), new_tokens, progress=progress)
     return {"kind": "greedy generation", "model": model, "context": context, "new_tokens": new_tokens,
             "pre_rope": pre_rope, "turned_mean": turned_mean, "corpus": corpus, "runs": runs,
-            "layers": cache_count(net), "backend": kernels.backend_name(), "machine": platform.machine(), "cpu_count": os.cpu_count(), "bandwidth_gb_s": memory_bandwidth()}
+            "layers": cache_count(net), "backend": kernels.backend_name(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "bandwidth_gb_s": memory_bandwidth()}
