@@ -183,3 +183,79 @@ def test_models_that_take_fewer_caches_than_layers_are_accepted(llama, tmp_path)
     check_layers(cache, shared)
     with pytest.raises(ValueError, match="3"):
         check_layers(cache + cache[:1], shared)
+
+
+# turned-mean layers (prerope.TurnedMeanCache): the wrapped codes, and the mean or the exact tokens held
+def _turned(llama):
+    from turboquant.budget import codecs_for
+    k, v = codecs_for(4, 3, True)
+    return tq.turned_mean(llama, tq.make_prompt_cache(llama, key_codec=k, value_codec=v, sink_tokens=1))
+
+
+@pytest.mark.parametrize("n", [0, 10, 30])        # empty, still learning the mean (< 1 + 16 tokens), learned
+def test_turned_mean_layers_save_and_load(tmp_path, llama, n):
+    from turboquant.attention import codes_attention
+    from turboquant.prerope import TurnedMeanCache
+    cache = _turned(llama)
+    if n:
+        run_in_chunks(llama, toks(n), cache, [n])
+    tq.save_prompt_cache(tmp_path / "t.bin", cache, model=llama)
+    loaded = tq.load_prompt_cache(tmp_path / "t.bin", model=llama)
+    assert all(isinstance(c, TurnedMeanCache) for c in loaded) and [c.offset for c in loaded] == [n, n]
+    assert (loaded[0].mean is None) == (n < 17) and loaded[0].rope == cache[0].rope
+    header = mx.load(str(tmp_path / "t.bin"), format="safetensors", return_metadata=True)[1]["turboquant"]
+    assert '"version": 4' in header
+    nxt = toks(20, seed=3)                     # continuing: bit for bit the original's, decoded and from codes
+    assert mx.array_equal(llama(nxt, cache=cache), llama(nxt, cache=loaded)).item()
+    with codes_attention(llama):
+        assert mx.array_equal(llama(nxt[:, :1], cache=cache), llama(nxt[:, :1], cache=loaded)).item()
+    with pytest.raises(ValueError, match="layer 1 was given tokens"):   # the loaded list checks its layers
+        run_in_chunks(llama, nxt[:, :2], loaded[1:], [2])
+
+
+def _turned_set(key, value, sub=None):
+    def edit(h):
+        t = h["layers"][0]["turned_mean"]
+        (t[sub] if sub else t)[key] = value
+        return h
+    return edit
+
+
+@pytest.mark.parametrize("n, edit_header, edit_arrays, match", [
+    (30, None, _drop("0.t.mean"), "turned_mean tensors \\[\\]; a layer holding 30 coded tokens needs \\['mean'\\]"),
+    (30, None, lambda a: a.__setitem__("0.t.mean", mx.zeros((2, 8))), "tensor 'mean' is \\(2, 8\\)"),
+    (30, None, lambda a: a.__setitem__("0.t.mean", mx.full((2, 16), float("nan"))), "Inf or NaN"),
+    (30, _turned_set("dims", 3, "rope"), None, "is not a RoPE"),
+    (30, _turned_set("fit_tokens", 4), None, "sink_tokens must be 5"),
+    (30, _turned_set("dtype", "int8"), None, "turned_mean dtype"),
+    (30, _turned_set("extra", 1), None, "must have rope, fit_from"),
+    (30, lambda h: h["layers"][0].pop("turned_mean") and h, None, "no 'turned_mean' setting"),
+    (30, lambda h: {**h, "version": 3}, None, r"orphan tensor '\d.t.mean'"),
+    (10, None, _drop("0.t.wv"), "needs \\['wk', 'wv'\\]"),
+    (10, None, lambda a: a.__setitem__("0.t.wk", a["0.t.wk"][:, :, :4]), "expected two \\(B, H, n, 16\\)"),
+])
+def test_a_crafted_turned_mean_layer_is_refused(tmp_path, llama, n, edit_header, edit_arrays, match):
+    cache = _turned(llama)
+    run_in_chunks(llama, toks(n), cache, [n])
+    tq.save_prompt_cache(tmp_path / "t.bin", cache)
+    bad = _rewrite(tmp_path / "t.bin", tmp_path / "bad.bin", edit_header, edit_arrays)
+    with pytest.raises(ValueError, match=match):
+        tq.load_prompt_cache(bad)
+
+
+def test_a_turned_mean_cache_saved_by_mlx_lm_is_refused_saying_how_to_save_it(tmp_path, llama):
+    cache = _turned(llama)
+    run_in_chunks(llama, toks(30), cache, [30])
+    mlx_cache.save_prompt_cache(str(tmp_path / "m.safetensors"), cache)
+    with pytest.raises(ValueError, match="save such caches with turboquant.save_prompt_cache"):
+        tq.load_prompt_cache(tmp_path / "m.safetensors")
+
+
+def test_a_turned_mean_cache_loads_only_for_a_model_with_its_rope(tmp_path, llama):
+    cache = _turned(llama)
+    run_in_chunks(llama, toks(30), cache, [30])
+    tq.save_prompt_cache(tmp_path / "t.bin", cache)
+    bad = _rewrite(tmp_path / "t.bin", tmp_path / "bad.bin", _turned_set("base", 500.0, "rope"))
+    assert tq.load_prompt_cache(bad)[0].rope.base == 500.0          # without a model: as saved
+    with pytest.raises(ValueError, match="layer 0 turns its key mean with .*base=500.0.*the model's RoPE is"):
+        tq.load_prompt_cache(bad, model=llama)

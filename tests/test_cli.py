@@ -108,6 +108,15 @@ def test_eval_on_several_domains_summarises_each_configurations_worst(tmp_path, 
     (["generate", "--prompt", "x", "--key-bits", "9"], "argument --key-bits: must be <= 8, got 9"),
     (["generate", "--prompt", "x", "--value-bits", "0"], "argument --value-bits: must be >= 1, got 0"),
     (["memory", "--group-size", "32"], "--group-size applies to --side affine only"),
+    (["generate", "--prompt", "x", "--turned-mean", "--profile"],
+     "argument --turned-mean: it wraps the uncalibrated budgets, not a --profile"),
+    (["chat", "--turned-mean", "--key-bits", "4"], "--turned-mean wraps a budget's centred keys (--bits), not --key-bits"),
+    (["generate", "--prompt", "x", "--turned-mean", "--max-kv-size", "64"],
+     "--turned-mean wraps plain layers; --max-kv-size makes every layer a sliding window"),
+    (["generate", "--prompt", "x", "--turned-mean", "--load-cache", "c.safetensors"],
+     "--turned-mean would contradict it"),
+    (["serve", "--plain", "--turned-mean"], "argument --plain: mlx-lm's own uncompressed caches"),
+    (["serve", "--turned-mean", "--codec", '{"codec": "identity"}'], "--turned-mean wraps a budget's centred keys"),
 ])
 def test_bad_arguments_give_a_usage_message_and_status_2(argv, message, capsys):
     import time
@@ -256,3 +265,17 @@ def test_eval_update_adds_rows_to_a_recorded_run_scored_the_same_way(tmp_path, c
     updated = json.loads(domains.read_text())["domains"]["wikipedia"]["results"]
     assert {n: (r["ppl"], r["intervals"]) for n, r in updated.items()} == \
         {n: (r["ppl"], r["intervals"]) for n, r in after["results"].items()}
+
+
+def test_generate_with_the_turned_mean_saves_and_continues(tmp_path, capsys):
+    """--turned-mean (default 4.25 bits): the cache is the turned-mean one, saved and continued
+    with --load-cache as any other."""
+    path = tmp_path / "t.cache"
+    prompt = "Paris, the capital of France, lies on the Seine. Its museums, bridges and cafes draw visitors from"
+    assert cli.main(["generate", "--prompt", prompt, "--max-tokens", "3",
+                     "--turned-mean", "--save-cache", str(path)]) == 0
+    from turboquant import load_prompt_cache
+    cache = load_prompt_cache(path)
+    assert type(cache[0]).__name__ == "TurnedMeanCache" and cache[0].mean is not None
+    assert cli.main(["generate", "--prompt", " It", "--max-tokens", "2", "--load-cache", str(path)]) == 0
+    assert "cache saved" in capsys.readouterr().out

@@ -329,11 +329,27 @@ def test_turned_mean_refusals(llama):
     cache.update_and_fetch(mx.ones((1, 2, 3, 32)), mx.ones((1, 2, 3, 32)))
     with pytest.raises(ValueError, match="batch × kv heads"):
         cache.update_and_fetch(mx.ones((2, 2, 3, 32)), mx.ones((2, 2, 3, 32)))
-    with pytest.raises(TypeError, match="TurboQuant caches only"):
-        tq.save_prompt_cache("/tmp/never.safetensors", [cache])
+    with pytest.raises(TypeError, match="every layer of this cache is a sliding-window"):
+        turned_mean(llama, tq.make_prompt_cache(llama, key_codec=k, value_codec=v, max_kv_size=64))
+
+
+def test_turned_mean_wraps_the_global_layers_of_a_sliding_window_model():
+    """Gemma 3: the global layers are wrapped, the sliding-window ones kept (their mean learned
+    after RoPE); the layers-in-step check still covers the whole list."""
     gemma = tiny_model("gemma3", num_layers=6, hidden_size=64)
-    with pytest.raises(TypeError, match="sliding-window"):
-        CONFIGS["turned-mean budget K4/V4"].make_cache(gemma)
+    cache = CONFIGS["turned-mean budget K4/V4"].make_cache(gemma)()
+    kinds = [type(c).__name__ for c in cache]
+    assert kinds == ["TurboQuantRotatingKVCache"] * 5 + ["TurnedMeanCache"], kinds
+    x = toks(40, seed=4)
+    run_in_chunks(gemma, x, cache, [5, 30])
+    assert all(c.offset == 35 for c in cache) and cache[5].mean is not None
+    from turboquant.attention import codes_attention
+    with codes_attention(gemma):                                   # from codes: the wrapped layer adds q·R_t μ
+        run_in_chunks(gemma, x[:, 35:], cache, [5])
+    with pytest.raises(ValueError, match=r"layer 5 was given tokens while layer\(s\) 0..4 were not"):
+        cache[5].update_and_fetch(mx.ones((1, 2, 2, 16)), mx.ones((1, 2, 2, 16)))
+    with pytest.raises(ValueError, match="unusable"):        # the whole list says so from then on
+        run_in_chunks(gemma, x[:, :1], cache, [1])
 
 
 def test_turned_mean_suite_rows(llama):

@@ -13,6 +13,7 @@ from turboquant import TurboQuantKVCache, TurboQuantRotatingKVCache, make_prompt
 from turboquant.attention import codes_attention
 from turboquant.cli import main as cli
 from turboquant.models import load
+from turboquant.prerope import TurnedMeanCache
 from turboquant.serve import batchable, install_caches
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -37,6 +38,9 @@ def test_install_caches_makes_mlx_lm_build_turboquant_caches(smol):
         with pytest.raises(ValueError, match="bits"):
             install_caches(model, bits=0.5)           # bad options fail at once, the installed ones stay
         assert mlx_make_prompt_cache(model)[0].key_codec.config()["inner"]["bits"] == 3
+        install_caches(model, bits=3.25, turned_mean=True)    # the key mean before RoPE: batchable too
+        cache = mlx_make_prompt_cache(model)
+        assert all(type(c) is TurnedMeanCache for c in cache) and batchable(cache)
     finally:
         model.__dict__.pop("make_cache", None)
     assert not any(isinstance(c, TurboQuantKVCache) for c in mlx_make_prompt_cache(model))
@@ -52,6 +56,9 @@ def test_install_caches_keeps_the_sliding_layers():
         assert kinds.count(TurboQuantRotatingKVCache) == 15 and kinds.count(TurboQuantKVCache) == 3
         assert all(c.max_size == 512 and c.keep == 0 for c in cache if isinstance(c, TurboQuantRotatingKVCache))
         assert batchable(cache)
+        turned = install_caches(model, bits=4.25, turned_mean=True)   # the global layers only
+        assert [type(c) for c in turned] == [TurnedMeanCache if k is TurboQuantKVCache else k for k in kinds]
+        assert batchable(turned)
         # make_prompt_cache still reads the model's own layout: max_kv_size rings (keep=4) are not batched
         capped = make_prompt_cache(model, bits=4.25, max_kv_size=64)
     assert [type(c) for c in capped] == [TurboQuantRotatingKVCache] * 18 and not batchable(capped)
@@ -78,35 +85,39 @@ def _post(port: int, body, timeout=120):
         return r.status, r.read().decode()
 
 
-@pytest.fixture(scope="module")
-def server():
-    """``turboquant serve --bits 4.25`` on a free loopback port, started and stopped as the
-    load test does it (``loadtest.start_server``)."""
+@pytest.fixture(scope="module", params=[False, True], ids=["budget", "turned-mean"])
+def server(request):
+    """``turboquant serve --bits 4.25`` (and with ``--turned-mean``) on a free loopback port,
+    started and stopped as the load test does it (``loadtest.start_server``); yields (port,
+    turned_mean)."""
     from turboquant.loadtest import start_server
-    srv = start_server("smollm2-135m", "turboquant", cache_args=("--bits", "4.25"), max_tokens=N_TOKENS)
+    args = ("--bits", "4.25") + (("--turned-mean",) if request.param else ())
+    srv = start_server("smollm2-135m", "turboquant", cache_args=args, max_tokens=N_TOKENS)
     try:
-        yield srv.port
+        yield srv.port, request.param
     finally:
         srv.stop()
 
 
-def _expected(smol, question: str) -> str:
+def _expected(smol, question: str, turned_mean: bool = False) -> str:
     """The answer alone, in-process, through the same cache (the server batches: see
     ``check_equal`` in tests/test_batch.py for why that is comparable token for token)."""
     model, tok = smol
     prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
     with codes_attention(model):                   # as the server computes it (--attention codes)
-        return generate(model, tok, prompt, max_tokens=N_TOKENS, prompt_cache=make_prompt_cache(model, bits=4.25))
+        return generate(model, tok, prompt, max_tokens=N_TOKENS, prompt_cache=make_prompt_cache(model, bits=4.25, turned_mean=turned_mean))
 
 
 def test_served_answer_equals_the_same_cache_in_process(server, smol):
+    server, turned = server
     status, body = _post(server, {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": N_TOKENS})
     assert status == 200
     answer = json.loads(body)["choices"][0]["message"]["content"]
-    assert answer == _expected(smol, QUESTIONS[0])
+    assert answer == _expected(smol, QUESTIONS[0], turned)
 
 
 def test_concurrent_requests_are_batched_and_each_equals_its_own_run(server, smol):
+    server, turned = server
     answers = {}
 
     def ask(q):
@@ -117,21 +128,22 @@ def test_concurrent_requests_are_batched_and_each_equals_its_own_run(server, smo
         t.start()
     for t in threads:
         t.join(timeout=300)
-    assert answers == {q: _expected(smol, q) for q in QUESTIONS}
+    assert answers == {q: _expected(smol, q, turned) for q in QUESTIONS}
 
 
 def test_streaming_and_a_malformed_request(server, smol):
+    server, turned = server
     status, body = _post(server, {"messages": [{"role": "user", "content": QUESTIONS[1]}], "max_tokens": N_TOKENS,
                                   "stream": True})
     chunks = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
-    assert status == 200 and text == _expected(smol, QUESTIONS[1])
+    assert status == 200 and text == _expected(smol, QUESTIONS[1], turned)
     with pytest.raises(urllib.error.HTTPError) as bad:
         _post(server, b"{not json")
     assert bad.value.code == 400
     # the server keeps serving, and the conversation asked before is answered from its cache alike
     status, body = _post(server, {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": N_TOKENS})
-    assert json.loads(body)["choices"][0]["message"]["content"] == _expected(smol, QUESTIONS[0])
+    assert json.loads(body)["choices"][0]["message"]["content"] == _expected(smol, QUESTIONS[0], turned)
     assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 

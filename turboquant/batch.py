@@ -9,7 +9,7 @@ A cache of codes cannot do the same without changing what it holds: its first to
 kept exact (attention sinks), a centered codec learns its mean from the first real tokens
 of *its* sequence, a recent window is exact, a sliding window evicts by position. A padding
 slot would become a "first token". So ``BatchCodesCache`` keeps one ordinary cache per
-sequence (a *row*: a ``TurboQuantKVCache`` or ``TurboQuantRotatingKVCache`` of batch 1)
+sequence (a *row*: a ``TurboQuantKVCache``, ``TurboQuantRotatingKVCache`` or ``TurnedMeanCache`` of batch 1)
 and gives each row only its real tokens:
 
 * ``merge`` copies the rows' codes (``copy.deepcopy``: arrays copied, codecs rebuilt from
@@ -46,7 +46,7 @@ __all__ = ["BatchCodesCache", "RowsView", "batch_drift"]
 
 # the caches a batch holds, one per sequence (``turboquant.cache``; named, not imported: that
 # module imports this one for ``merge``)
-_ROW_KINDS = ("TurboQuantKVCache", "TurboQuantRotatingKVCache")
+_ROW_KINDS = ("TurboQuantKVCache", "TurboQuantRotatingKVCache", "TurnedMeanCache")
 
 
 def batch_drift(model, prompts: Sequence[Sequence[int]]) -> float:
@@ -78,6 +78,13 @@ def _ints(name: str, xs, n: Optional[int] = None) -> list[int]:
     return vals
 
 
+def _batch_size(row) -> Optional[int]:
+    """Sequences a row holds (None while it is empty)."""
+    if hasattr(row, "batch_size"):                  # a wrapper (prerope.TurnedMeanCache)
+        return row.batch_size
+    return None if row.key_codes is None else next(iter(row.key_codes.fields.values())).shape[0]
+
+
 def _dense(x) -> mx.array:
     return x.dequantize() if isinstance(x, CodesView) else x
 
@@ -85,8 +92,9 @@ def _dense(x) -> mx.array:
 class BatchCodesCache(CacheBase):
     """One layer's cache for a batch of sequences: ``BatchCodesCache(rows)``.
 
-    ``rows`` are caches of batch 1, all ``TurboQuantKVCache`` or all
-    ``TurboQuantRotatingKVCache`` (with the same ``max_size`` and ``keep=0``). The keys and
+    ``rows`` are caches of batch 1, all ``TurboQuantKVCache``, all
+    ``TurboQuantRotatingKVCache`` (with the same ``max_size`` and ``keep=0``) or all
+    ``prerope.TurnedMeanCache`` (each row its own key mean, turned with its own positions). The keys and
     values given to ``update_and_fetch`` have shape (B, H_kv, N, D), B = len(rows); what it
     returns has shape (B, H_kv, L, D) with L = N + the longest history any row shows
     attention, and ``make_mask(N)`` the matching (B, 1, N, L) boolean mask.
@@ -108,8 +116,8 @@ class BatchCodesCache(CacheBase):
                                  "batched: their kept tokens are not contiguous with the window")
             self.max_size = rows[0].max_size
         for r in rows:
-            if r.key_codes is not None:
-                b = next(iter(r.key_codes.fields.values())).shape[0]
+            b = _batch_size(r)
+            if b is not None:
                 if b != 1:
                     raise ValueError(f"each row of a batch cache holds one sequence; a row holds batch {b}")
         self.rows = rows
@@ -220,7 +228,7 @@ class BatchCodesCache(CacheBase):
                     k, v = (c.dequantize() for c in row.codes())
                 k, v = _dense(k)[:, :, -(hist[i] + n):], _dense(v)[:, :, -(hist[i] + n):]
             elif hist[i]:
-                k, v = (c.dequantize()[:, :, -hist[i]:] for c in row.codes())
+                k, v = (_dense(c)[:, :, -hist[i]:] for c in row.codes())
             else:
                 k = v = None
             before = L - N - hist[i] + a
@@ -318,6 +326,11 @@ class RowsView:
                 outs.append(mx.zeros((1, H, N, D), queries.dtype))
                 continue
             k, v, mask, a, n = part
-            o = attend(queries[i:i + 1, :, a:a + n], k, v, scale=scale, mask=mask)
+            q = queries[i:i + 1, :, a:a + n]
+            if isinstance(k, CodesView):
+                o = attend(q, k, v, scale=scale, mask=mask)
+            else:                                   # exact tokens (a TurnedMeanCache still learning its mean)
+                o = mx.fast.scaled_dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale,
+                                                         mask=mask)
             outs.append(mx.pad(o, [(0, 0), (0, 0), (a, N - a - n), (0, 0)]))
         return mx.concatenate(outs, axis=0)

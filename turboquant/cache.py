@@ -163,7 +163,8 @@ class TurboQuantKVCache(CacheBase):
         except BaseException as e:                  # KeyboardInterrupt too: the layers disagree all the same
             if group is not None:
                 caches = group["caches"]
-                layer = next((n for n, c in enumerate(caches) if c is self), None)
+                layer = next((n for n, c in enumerate(caches) if c is self or getattr(c, "inner", None) is self),
+                             None)
                 ahead = [n for n, c in enumerate(caches) if c.offset != self.offset]
                 if ahead:
                     group["broken"] = (f"this prompt cache is unusable: a forward pass failed in layer {layer} "
@@ -174,24 +175,13 @@ class TurboQuantKVCache(CacheBase):
             raise
 
     def _check_in_step(self, group: dict, T: int) -> None:
-        """A model runs its layers in order, so before layer i takes T tokens at offset o,
-        the layers before it hold o + T and those after it o. Otherwise the list the model
-        was given is not the whole prompt cache (e.g. ``cache[:10]``: mlx-lm zips layers
-        with caches and silently runs 10 of 30 layers): refuse, and mark the cache unusable."""
-        caches, o = group["caches"], self.offset
+        """``check_in_step`` for this layer of its group (a wrapped cache, ``group_index``
+        None, leaves the check to its wrapper, whose offset is the layer's)."""
+        caches = group["caches"]
         i = getattr(self, "group_index", None)          # set with the group (cache.tag_group): no search per step
         if i is None or i >= len(caches) or caches[i] is not self:
             return
-        before = [n for n in range(i) if caches[n].offset != o + T]
-        after = [n for n in range(i + 1, len(caches)) if caches[n].offset != o]
-        if before or after:
-            odd = before or after
-            group["broken"] = (f"this prompt cache is unusable: layer {i} was given tokens while layer(s) "
-                               f"{odd[0]}..{odd[-1]} were not: either the model was passed only part of the "
-                               f"cache list (a slice such as cache[{f':{odd[0]}' if after else f'{odd[-1] + 1}:'}]?; "
-                               f"pass the whole list of {len(caches)} caches), or an earlier forward pass "
-                               "stopped part-way. Make a new cache (make_prompt_cache) or load a saved one")
-            raise ValueError(group["broken"])
+        check_in_step(caches, i, self.offset, T, group)
 
     def _update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check(keys, values)
@@ -794,11 +784,41 @@ def _warn_fitted_positions(cache: "TurboQuantKVCache") -> None:
                   "command line: without --profile).", FittedPositionsWarning, stacklevel=3)
 
 
+def check_in_step(caches: list, i: int, offset: int, T: int, group: Optional[dict]) -> None:
+    """A model runs its layers in order, so before layer i of ``caches`` takes T tokens at
+    ``offset``, the layers before it hold offset + T and those after it offset. Otherwise the
+    list the model was given is not the whole prompt cache (e.g. ``cache[:10]``: mlx-lm zips
+    layers with caches and silently runs 10 of 30 layers), or an earlier pass stopped part-way:
+    refuse, and mark ``group`` (the prompt cache) unusable."""
+    before = [n for n in range(i) if caches[n].offset != offset + T]
+    after = [n for n in range(i + 1, len(caches)) if caches[n].offset != offset]
+    if before or after:
+        odd = before or after
+        why = (f"this prompt cache is unusable: layer {i} was given tokens while layer(s) "
+               f"{odd[0]}..{odd[-1]} were not: either the model was passed only part of the "
+               f"cache list (a slice such as cache[{f':{odd[0]}' if after else f'{odd[-1] + 1}:'}]?; "
+               f"pass the whole list of {len(caches)} caches), or an earlier forward pass "
+               "stopped part-way. Make a new cache (make_prompt_cache) or load a saved one")
+        if group is not None:
+            group["broken"] = why
+        raise ValueError(why)
+
+
 def tag_group(cache: list) -> list:
     """Tell each TurboQuant cache the length of its list (``codes_attention`` checks it
     against the model's layers) and the group it belongs to (a failed forward pass marks the
-    whole group unusable: ``TurboQuantKVCache.update_and_fetch``)."""
-    group = {"caches": [c for c in cache if isinstance(c, TurboQuantKVCache)], "broken": None}
-    for i, c in enumerate(group["caches"]):
-        c.n_layers, c.group, c.group_index = len(cache), group, i
+    whole group unusable: ``TurboQuantKVCache.update_and_fetch``). A cache that wraps one
+    (``prerope.TurnedMeanCache``: an ``inner`` TurboQuant cache) is the group's member: it
+    checks that the layers take tokens in step, its inner cache shares the group's verdict
+    (``join_group``)."""
+    wrapped = lambda c: isinstance(getattr(c, "inner", None), TurboQuantKVCache) and hasattr(c, "join_group")  # noqa: E731
+    members = [c for c in cache if isinstance(c, TurboQuantKVCache) or wrapped(c)]
+    if len(members) == len(cache):
+        members = cache                     # the list itself: a deep copy of it re-links its wrappers
+    group = {"caches": members, "broken": None}
+    for i, c in enumerate(members):
+        if wrapped(c):
+            c.join_group(group, i, len(cache))
+        else:
+            c.n_layers, c.group, c.group_index = len(cache), group, i
     return cache

@@ -19,11 +19,12 @@ from .checks import check_out_file
 from .codec_tensors import PREFIX, content_digest, from_tensors, to_tensors
 from .codecs.base import Codec, check_int, from_config
 from .memory import check_layers, describe_model, model_fingerprint, model_geometry
+from .prerope import TurnedMeanCache
 
 __all__ = ["save_prompt_cache", "load_prompt_cache", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "turboquant-prompt-cache"
-FORMAT_VERSION = 3          # 2 adds a content checksum, 3 codec arrays as tensors; 1 and 2 are still read
+FORMAT_VERSION = 4          # 2 adds a content checksum, 3 codec arrays as tensors, 4 turned-mean layers; all read
 
 
 def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None, model=None) -> None:
@@ -33,21 +34,33 @@ def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None, model=
     ``model``, its ``model_fingerprint`` is saved too, and ``load_prompt_cache(path,
     model=…)`` refuses another model. Load it with ``turboquant.load_prompt_cache``
     (mlx-lm's loader does not know these classes)."""
-    if not isinstance(cache, (list, tuple)) or not all(isinstance(c, TurboQuantKVCache) for c in cache):
-        raise TypeError("save_prompt_cache saves a list of TurboQuant caches only; use mlx_lm's for others")
+    if not isinstance(cache, (list, tuple)) or not all(isinstance(c, (TurboQuantKVCache, TurnedMeanCache))
+                                                       for c in cache):
+        kinds = sorted({type(c).__name__ for c in cache}) if isinstance(cache, (list, tuple)) else type(cache).__name__
+        raise TypeError("save_prompt_cache saves a list of TurboQuant caches (TurboQuantKVCache, "
+                        f"TurboQuantRotatingKVCache, TurnedMeanCache) only, got {kinds}; use mlx_lm's for others")
     if metadata is not None and (not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise TypeError("metadata must map str to str")
     arrays, layers, codec_arrays = {}, [], {}
     for i, c in enumerate(cache):
+        turned = None
+        if isinstance(c, TurnedMeanCache):            # the wrapped cache, and the mean (or exact tokens) beside it
+            turned, extra = c.file_state()
+            arrays.update({f"{i}.t.{name}": a for name, a in extra.items()})
+            c = c.inner
         k, v, rec = c.state[:3]
         for group, fields in (("k", k), ("v", v), ("r", rec)):
             for name, a in fields.items():
                 if a is not None:
                     arrays[f"{i}.{group}.{name}"] = a
         layers.append(to_tensors(c.meta_state, codec_arrays))   # fitted coders' arrays: tensors, once each
+        if turned is not None:
+            layers[-1]["turned_mean"] = turned
     arrays.update(codec_arrays)
-    head = {"format": FORMAT, "version": FORMAT_VERSION, "layers": layers, "user": metadata or {}}
+    # version 4 only where a turned-mean layer needs it: other files stay readable by turboquant that reads 3
+    version = FORMAT_VERSION if any("turned_mean" in m for m in layers) else 3
+    head = {"format": FORMAT, "version": version, "layers": layers, "user": metadata or {}}
     if model is not None:
         head["model"] = model_fingerprint(model)
     header = json.dumps(head)
@@ -97,7 +110,14 @@ def _check_model(path, cache, model) -> None:
         check_layers(cache, model)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+    ropes = None
     for i, c in enumerate(cache):
+        if isinstance(c, TurnedMeanCache):            # its mean turns with the RoPE it was saved with
+            from .prerope import rope_of
+            ropes = rope_of(model) if ropes is None else ropes
+            if c.rope != ropes[i]:
+                raise ValueError(f"{path}: layer {i} turns its key mean with {c.rope}, the model's RoPE is {ropes[i]}")
+            c = c.inner
         if isinstance(c, TurboQuantKVCache) and c.key_codes is not None:
             B, H = next(iter(c.key_codes.fields.values())).shape[:2]
             if H != kv:
@@ -140,19 +160,27 @@ def _load_turboquant_layout(path, arrays, meta):
         layers = [from_tensors(m, codec_arrays, used) for m in layers]
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    groups = [{g: {} for g in "kvr"} for _ in layers]
+    kinds = "kvrt" if version >= 4 else "kvr"
+    groups = [{g: {} for g in kinds} for _ in layers]
     for name, a in arrays.items():
         if name in used:
             continue
         parts = name.split(".", 2)
         if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) >= len(layers) \
-                or parts[1] not in ("k", "v", "r") or not parts[2]:
-            raise ValueError(f"{path}: orphan tensor {name!r} (expected 'LAYER.k|v|r.FIELD' with LAYER < {len(layers)})")
+                or parts[1] not in kinds or not parts[2]:
+            raise ValueError(f"{path}: orphan tensor {name!r} (expected 'LAYER.{'|'.join(kinds)}.FIELD' with "
+                             f"LAYER < {len(layers)})")
         groups[int(parts[0])][parts[1]][parts[2]] = a
     cache = []
     for i, (m, g) in enumerate(zip(layers, groups)):
         try:
-            cache.append(_build_layer(m, (g["k"], g["v"], g["r"])))
+            turned = m.pop("turned_mean", None) if isinstance(m, dict) and version >= 4 else None
+            layer = _build_layer(m, (g["k"], g["v"], g["r"]))
+            if turned is not None:
+                layer = TurnedMeanCache.from_file_state(layer, turned, g["t"])
+            elif g.get("t"):
+                raise ValueError(f"turned-mean tensors {sorted(g['t'])} but no 'turned_mean' setting")
+            cache.append(layer)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{path}: layer {i}: {e}") from None
     return cache, dict(user)
@@ -182,6 +210,10 @@ def _load_mlx_lm_layout(path, arrays, meta):
                     raise ValueError("its state has no meta_state (saved by an older turboquant?)")
                 fields = tuple(dict(p) if isinstance(p, dict) else {} for p in state[:3])
                 cache.append(_build_layer(json.loads(state[3]), fields))
+            elif name == "TurnedMeanCache":
+                raise ValueError("a TurnedMeanCache saved by mlx_lm.save_prompt_cache, which keeps neither its "
+                                 "mean's settings nor its codecs' configurations; save such caches with "
+                                 "turboquant.save_prompt_cache")
             elif hasattr(mlx_cache, name):
                 cache.append(getattr(mlx_cache, name).from_state(state))
             else:

@@ -102,13 +102,15 @@ def _load_for_generation(args):
     from .generate import cache_options, new_cache
     from .models import load
     set_ = [f"--{n.replace('_', '-')}" for n in ("bits", "key_bits", "value_bits", "codec", "max_kv_size", "profile")
-            if getattr(args, n) is not None]
+            if getattr(args, n) is not None] + (["--turned-mean"] if args.turned_mean else [])
     if getattr(args, "load_cache", None) and set_:
         args.parser.error(f"--load-cache restores the saved cache with its own codecs: {', '.join(set_)} "
                           "would contradict it")
     if args.profile is not None and args.bits is None and (args.key_bits or args.value_bits or args.codec):
         args.parser.error("argument --profile: it chooses the configuration for --bits, not for "
                           "--key-bits/--value-bits/--codec")
+    if args.profile is not None and args.turned_mean:
+        args.parser.error("argument --turned-mean: it wraps the uncalibrated budgets, not a --profile")
     if args.profile is not None and args.bits is None:
         from .generate import DEFAULT_BITS
         args.bits = DEFAULT_BITS                          # the default budget, from the profile
@@ -120,7 +122,8 @@ def _load_for_generation(args):
         if not found:
             args.parser.error(f"argument --profile: no file {args.profile}")
     try:
-        options = cache_options(args.bits, args.key_bits, args.value_bits, args.codec, args.max_kv_size)
+        options = cache_options(args.bits, args.key_bits, args.value_bits, args.codec, args.max_kv_size,
+                                args.turned_mean)
     except ValueError as e:
         args.parser.error(str(e))
     if args.profile is not None:
@@ -177,6 +180,9 @@ def _cache_arguments(p) -> None:
     g.add_argument("--value-bits", type=_int_in(1, 8), default=None, help="TurboQuant_mse bits for values (1..8)")
     g.add_argument("--codec", default=None, help="a codec config as JSON, or a JSON file (keys and values)")
     g.add_argument("--max-kv-size", type=_int_at_least(1), default=None, help="keep at most this many tokens per layer")
+    g.add_argument("--turned-mean", action="store_true", help="with --bits (default 4.25): learn the key mean "
+                   "before RoPE and turn it with each position (no calibration; better than the plain budget on "
+                   "every domain measured, Chapter 10)")
 
 
 def _calibrate(args) -> int:
@@ -478,7 +484,8 @@ def _serve(args) -> int:
     import shlex
     from .generate import DEFAULT_BITS, cache_options
     from .serve import serve, serve_plain
-    if args.plain and any(getattr(args, n) is not None for n in ("bits", "key_bits", "value_bits", "codec", "profile")):
+    if args.plain and (args.turned_mean or any(getattr(args, n) is not None
+                                               for n in ("bits", "key_bits", "value_bits", "codec", "profile"))):
         args.parser.error("argument --plain: mlx-lm's own uncompressed caches; no cache option applies")
     if args.max_kv_size is not None:
         args.parser.error("argument --max-kv-size: its rotating caches keep 4 leading tokens, which are not "
@@ -486,10 +493,12 @@ def _serve(args) -> int:
     if args.profile is not None and (args.key_bits or args.value_bits or args.codec):
         args.parser.error("argument --profile: it chooses the configuration for --bits, not for "
                           "--key-bits/--value-bits/--codec")
+    if args.profile is not None and args.turned_mean:
+        args.parser.error("argument --turned-mean: it wraps the uncalibrated budgets, not a --profile")
     if args.profile is not None and args.bits is None:
         args.bits = DEFAULT_BITS
     try:
-        options = cache_options(args.bits, args.key_bits, args.value_bits, args.codec)
+        options = cache_options(args.bits, args.key_bits, args.value_bits, args.codec, turned_mean=args.turned_mean)
     except ValueError as e:
         args.parser.error(str(e))
     options.pop("max_kv_size", None)

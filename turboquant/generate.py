@@ -24,7 +24,7 @@ DEFAULT_BITS = 4.25   # what generate/chat use when no cache option is given
 
 
 def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, value_bits: Optional[int] = None,
-                  codec: Optional[str] = None, max_kv_size: Optional[int] = None) -> dict:
+                  codec: Optional[str] = None, max_kv_size: Optional[int] = None, turned_mean: bool = False) -> dict:
     """``make_prompt_cache`` keyword arguments from the CLI's options. At most one of
     ``bits`` (a budget including side information), ``key_bits``/``value_bits``
     (TurboQuant_mse index bits; the other side defaults to the same) and ``codec`` (a codec
@@ -34,11 +34,20 @@ def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, 
 
     Not plain TurboQuant_mse at 4 bits: on Qwen2.5-Coder-1.5B it turns code perplexity
     from 2.8 into thousands (Chapter 12: one layer's keys are nearly a single shared
-    vector, which a rotation cannot spread); centering removes that shared part."""
+    vector, which a rotation cannot spread); centering removes that shared part.
+
+    ``turned_mean`` (``--turned-mean``): the budget's key mean learned before RoPE
+    (``make_prompt_cache(turned_mean=True)``); with a budget only, not with a sliding window."""
     chosen = [n for n, v in (("--bits", bits), ("--key-bits/--value-bits", key_bits or value_bits),
                              ("--codec", codec)) if v]
     if len(chosen) > 1:
         raise ValueError(f"choose one way to set the cache: {' and '.join(chosen)} contradict each other")
+    if turned_mean:
+        if chosen and chosen != ["--bits"]:
+            raise ValueError(f"--turned-mean wraps a budget's centred keys (--bits), not {chosen[0]}")
+        if max_kv_size is not None:
+            raise ValueError("--turned-mean wraps plain layers; --max-kv-size makes every layer a sliding window")
+        return {**cache_options(bits=DEFAULT_BITS if bits is None else bits), "turned_mean": True}
     opts: dict = {"max_kv_size": max_kv_size}
     if codec:
         from .codecs.base import from_config, with_dim
@@ -115,13 +124,15 @@ def cache_held(cache: list) -> int:
 
 
 def generate_text(model, tokenizer, prompt_ids: list[int], cache: list, max_tokens: int,
-                  out: TextIO = sys.stdout) -> dict:
+                  out: Optional[TextIO] = None) -> dict:
     """Stream up to ``max_tokens`` greedy tokens after ``prompt_ids`` through ``cache``
-    (attention from codes), writing the text to ``out`` as it comes. Returns {"text",
+    (attention from codes), writing the text to ``out`` (default: ``sys.stdout`` as it is at
+    the call, not at import) as it comes. Returns {"text",
     "last_token" (the final generated token: EOS or the last one; like every generated
     token it is already in the cache), "prefill": (tokens, s), "decode": (tokens, s)}."""
     from mlx_lm.generate import stream_generate
     from .attention import codes_attention
+    out = sys.stdout if out is None else out
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     # text = decode(generated ids), written as it grows (mlx-lm's streaming detokenizer drops
@@ -150,13 +161,14 @@ def generate_text(model, tokenizer, prompt_ids: list[int], cache: list, max_toke
 
 
 def chat(model, tokenizer, cache: list, max_tokens: int, read: Callable[[str], str] = input,
-         out: TextIO = sys.stdout, system: Optional[str] = None) -> list[dict]:
+         out: Optional[TextIO] = None, system: Optional[str] = None) -> list[dict]:
     """A multi-turn conversation with the model's chat template through one compressed
     cache, as mlx-lm's chat keeps its cache: each turn prefills only the new user message
     (templated alone, the BOS token only on the first turn); every token of the previous
     answer, its final one included, is already in the cache (mlx-lm runs the model on a
     token before yielding it). An empty line, ``/exit`` or end of input stops. Returns the
     messages."""
+    out = sys.stdout if out is None else out          # as it is now (a notebook or a test may replace it)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this tokenizer has no chat template: use `turboquant generate`")
     messages = []

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import TurboQuantKVCache, TurboQuantRotatingKVCache, codec_ready
+from .cache import TurboQuantKVCache, TurboQuantRotatingKVCache, check_in_step, codec_ready, tag_group
 from .cache_base import CacheBase, codes_mode
 from .checks import check_int
 from .codes import CodesView
@@ -256,9 +256,11 @@ class TurnedMeanCache(CacheBase):
     ``update_and_fetch`` returns keys with R_t μ added back (decoded), or under
     ``codes_attention`` a ``TurnedCodesView`` (scores from codes plus q·R_t μ). Offsets, bytes
     (codes and exact tokens; the (H_kv, D) float32 mean is ``side_nbytes``, as ``Centered``'s
-    is), trimming and masks are the wrapped cache's; a trim back into the first S + F tokens forgets the mean and learns it again from
-    the tokens that remain. Plain (global) layers only; not saved (``save_prompt_cache`` refuses
-    it) and not batchable, like ``PreRopeCache``."""
+    is), trimming and masks are the wrapped cache's; a trim back into the first S + F tokens
+    forgets the mean and learns it again from the tokens that remain. Plain (global) layers only.
+    Saved and loaded by ``save_prompt_cache``/``load_prompt_cache`` (``file_state``: the mean or
+    the exact tokens held, and the RoPE); batched by ``BatchCodesCache`` (``merge``: one row per
+    sequence, each with its own mean and positions)."""
 
     def __init__(self, inner: TurboQuantKVCache, rope: Rope):
         self.refuse(inner, rope)
@@ -306,13 +308,13 @@ class TurnedMeanCache(CacheBase):
                                  f"{tuple(a.shape) if isinstance(a, mx.array) else type(a).__name__}")
         if keys.shape[:3] != values.shape[:3]:
             raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree in (B, H, T)")
+        self._check_in_step(keys.shape[2])
         if self.mean is not None:
             # the residuals stay float32 (the exact tokens among them are then exact in any dtype)
             o, T = self.inner.offset, keys.shape[2]
             self.dtype = keys.dtype
             return self._out(*self.inner.update_and_fetch(
                 keys.astype(mx.float32) - _turned(self.mean, o, T, self.rope), values))
-        self._check_in_step(keys.shape[2])
         if self._warm_k is not None and self._warm_k.shape[:2] != keys.shape[:2]:
             raise ValueError(f"this cache holds batch × kv heads {tuple(self._warm_k.shape[:2])}; new keys have "
                              f"{tuple(keys.shape[:2])}")
@@ -330,26 +332,18 @@ class TurnedMeanCache(CacheBase):
         return self._out(*out)
 
     def _check_in_step(self, T: int) -> None:
-        """While the mean is learned the inner cache sees no tokens, so its check that the layers
-        take tokens in step (``TurboQuantKVCache._check_in_step``) does not run: the same check
-        on the wrappers' offsets (layers before this one hold offset + T, those after it offset).
-        A mismatch marks the whole prompt cache unusable, as the inner caches' check does."""
+        """The wrapped cache takes no tokens while the mean is learned and then takes them all at
+        once, so its own check that the layers take tokens in step cannot run: the wrapper makes
+        it (``cache.check_in_step``) on the prompt cache's layers (``tag_group``: ``turned_mean``
+        and ``load_prompt_cache`` set them), before every update. A mismatch marks the whole
+        prompt cache unusable, as the inner caches' check does."""
         peers, i = self._peers, self._index
         group = getattr(self.inner, "group", None)
         if group is not None and group["broken"]:
             raise ValueError(group["broken"])
         if peers is None or i is None or i >= len(peers) or peers[i] is not self:
             return
-        o = self.offset
-        odd = [n for n in range(i) if peers[n].offset != o + T] + \
-              [n for n in range(i + 1, len(peers)) if peers[n].offset != o]
-        if odd:
-            why = (f"this prompt cache is unusable: layer {i} was given tokens while layer(s) {odd[0]}..{odd[-1]} "
-                   "were not: either the model was passed only part of the cache list (pass the whole list of "
-                   f"{len(peers)} caches), or an earlier forward pass stopped part-way. Make a new cache")
-            if group is not None:
-                group["broken"] = why
-            raise ValueError(why)
+        check_in_step(peers, i, self.offset, T, group)
 
     def _out(self, k, v):
         if isinstance(k, CodesView):
@@ -418,6 +412,103 @@ class TurnedMeanCache(CacheBase):
         self._warm_k, self._warm_v = (k, v) if keep else (None, None)
         return n
 
+    def join_group(self, group: dict, index: int, n_layers: int) -> None:
+        """Become layer ``index`` of ``group`` (``cache.tag_group``): this wrapper checks that the
+        layers take tokens in step (its inner cache cannot: see ``_check_in_step``), the inner
+        cache shares the group's verdict and knows the list's length (``codes_attention``)."""
+        self.inner.n_layers, self.inner.group, self.inner.group_index = n_layers, group, None
+        self._peers, self._index = group["caches"], index
+
+    # ----------------------------------------------------------------- batching
+    def merge(self, caches):
+        """One batch cache (``turboquant.batch.BatchCodesCache``) from one cache of this kind
+        per sequence, as mlx-lm's batching calls it: each row keeps its own mean and its own
+        positions (a row holds only its sequence's real tokens), nothing re-encoded."""
+        from .batch import BatchCodesCache
+        return BatchCodesCache.merge(caches)
+
+    @property
+    def batch_size(self):
+        """Sequences held (None while empty)."""
+        if self.mean is not None:
+            return next(iter(self.inner.key_codes.fields.values())).shape[0]
+        return None if self._warm_k is None else self._warm_k.shape[0]
+
+    def codes(self):
+        """The held (keys, values) in temporal order as attention reads them: a ``TurnedCodesView``
+        and the values' ``CodesView`` once the mean is learned; before that the exact arrays."""
+        if self.mean is None:
+            if self._warm_k is None:
+                raise ValueError("the cache is empty: no codes yet")
+            return self._warm_k, self._warm_v
+        k, v = self.inner.codes()
+        return TurnedCodesView(k, self.mean, self.rope), v
+
+    # ----------------------------------------------------------------- files (cache_files)
+    def file_state(self) -> tuple[dict, dict]:
+        """(settings, arrays) that ``save_prompt_cache`` writes beside the wrapped cache's: the
+        RoPE, the fit tokens, the keys' dtype; the mean μ (``mean``) once learned, else the
+        exact tokens held (``wk``, ``wv``; none while empty)."""
+        settings = {"rope": {"dims": self.rope.dims, "traditional": self.rope.traditional, "base": self.rope.base,
+                             "scale": self.rope.scale},
+                    "fit_from": self.fit_from, "fit_tokens": self.fit_tokens, "dtype": str(self.dtype).split(".")[-1]}
+        if self.mean is not None:
+            return settings, {"mean": self.mean}
+        return settings, ({} if self._warm_k is None else {"wk": self._warm_k, "wv": self._warm_v})
+
+    @classmethod
+    def from_file_state(cls, inner: TurboQuantKVCache, settings, arrays: dict) -> "TurnedMeanCache":
+        """The wrapper ``file_state`` describes around ``inner`` (the wrapped cache as saved: its
+        key codec already the one inside ``Centered``); every setting and array checked against
+        it (``ValueError`` naming what is wrong)."""
+        if not isinstance(settings, dict) or set(settings) != {"rope", "fit_from", "fit_tokens", "dtype"}:
+            raise ValueError(f"setting 'turned_mean' must have rope, fit_from, fit_tokens, dtype; got {settings!r}")
+        r = settings["rope"]
+        if not isinstance(r, dict) or set(r) != {"dims", "traditional", "base", "scale"}:
+            raise ValueError(f"turned_mean 'rope' must have dims, traditional, base, scale; got {r!r}")
+        D = inner.key_codec.dim
+        dims = check_int("turned_mean rope dims", r["dims"], 2, D)
+        num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")  # noqa: E731
+        if dims % 2 or not isinstance(r["traditional"], bool) or not (num(r["base"]) and r["base"] > 0) \
+                or not (num(r["scale"]) and r["scale"] != 0):
+            raise ValueError(f"turned_mean rope {r!r} is not a RoPE (even dims ≤ {D}, a positive base, a "
+                             "non-zero scale)")
+        if isinstance(inner, TurboQuantRotatingKVCache) or not isinstance(inner, TurboQuantKVCache):
+            raise ValueError(f"turned_mean wraps a plain cache, this layer is {type(inner).__name__}")
+        S = check_int("turned_mean fit_from", settings["fit_from"], 0)
+        F = check_int("turned_mean fit_tokens", settings["fit_tokens"], 1)
+        if inner.sink_tokens != S + F:
+            raise ValueError(f"a turned-mean layer keeps its {S} sinks and {F} fit tokens exact: sink_tokens must "
+                             f"be {S + F}, got {inner.sink_tokens}")
+        dtype = getattr(mx, settings["dtype"], None) if isinstance(settings["dtype"], str) else None
+        if dtype not in (mx.float32, mx.float16, mx.bfloat16):
+            raise ValueError(f"turned_mean dtype must be float32, float16 or bfloat16, got {settings['dtype']!r}")
+        want = {"mean"} if inner.offset else ({"wk", "wv"} if arrays else set())
+        if set(arrays) != want:
+            raise ValueError(f"turned_mean tensors {sorted(arrays)}; a layer holding {inner.offset} coded tokens "
+                             f"needs {sorted(want) or 'none'}")
+        mean = wk = wv = None
+        if inner.offset:
+            if inner.offset < S + F:
+                raise ValueError(f"a turned-mean layer codes from its {S + F}th token on, this one holds "
+                                 f"{inner.offset}")
+            H = next(iter(inner.key_codes.fields.values())).shape[1]
+            mean = arrays["mean"]
+            if tuple(mean.shape) != (H, D) or mean.dtype != mx.float32:
+                raise ValueError(f"turned_mean tensor 'mean' is {tuple(mean.shape)} {mean.dtype}; expected ({H}, {D}) "
+                                 "float32")
+        elif arrays:
+            wk, wv = arrays["wk"], arrays["wv"]
+            if wk.ndim != 4 or tuple(wk.shape) != tuple(wv.shape) or wk.shape[-1] != D or wk.dtype != dtype \
+                    or wv.dtype != dtype or not 0 < wk.shape[2] < S + F:
+                raise ValueError(f"turned_mean exact tokens are {tuple(wk.shape)} {wk.dtype} and {tuple(wv.shape)} "
+                                 f"{wv.dtype}; expected two (B, H, n, {D}) {dtype} arrays, 0 < n < {S + F}")
+        new = cls.__new__(cls)
+        new.inner, new.rope = inner, Rope(dims, r["traditional"], float(r["base"]), float(r["scale"]))
+        new.fit_from, new.fit_tokens, new.mean, new._warm_k, new._warm_v = S, F, mean, wk, wv
+        new.dtype, new._peers, new._index = dtype, None, None
+        return new
+
     def __deepcopy__(self, memo):
         import copy
         new = type(self).__new__(type(self))
@@ -435,18 +526,23 @@ class TurnedMeanCache(CacheBase):
 
 def turned_mean(model, cache: list) -> list:
     """``cache`` (a fresh prompt cache for ``model`` with centred keys, e.g.
-    ``make_prompt_cache(model, budget=…)``) with every layer's cache wrapped in a
+    ``make_prompt_cache(model, bits=…)``) with every plain (global) layer's cache wrapped in a
     ``TurnedMeanCache``: the key mean learned before RoPE and turned with each position, the
-    codes still read by attention from codes. Sliding-window layers are refused."""
+    codes still read by attention from codes. Sliding-window layers (Gemma 3's local layers:
+    their ring's slots do not hold positions in order) are kept as they are, their mean learned
+    after RoPE; a cache with no plain layer is refused. The caches given are taken over (use
+    the list returned)."""
     ropes = rope_of(model)
     if len(ropes) != len(cache):
         raise ValueError(f"the cache has {len(cache)} layers, the model {len(ropes)}")
-    for c, r in zip(cache, ropes):
-        TurnedMeanCache.refuse(c, r)                # every layer checked before any is changed
-    out = [TurnedMeanCache(c, r) for c, r in zip(cache, ropes)]
-    for i, c in enumerate(out):
-        c._peers, c._index = out, i
-    return out
+    plain = [not isinstance(c, TurboQuantRotatingKVCache) for c in cache]
+    if not any(plain):
+        raise TypeError("turned_mean wraps plain (global) layers; every layer of this cache is a sliding-window "
+                        f"{type(cache[0]).__name__}")
+    for c, r, p in zip(cache, ropes, plain):
+        if p:
+            TurnedMeanCache.refuse(c, r)            # every layer checked before any is changed
+    return tag_group([TurnedMeanCache(c, r) if p else c for c, r, p in zip(cache, ropes, plain)])
 
 
 def centering_residual(keys: mx.array, rope: Rope, fit_tokens: int = 16, sinks: int = 1) -> tuple:
