@@ -263,6 +263,11 @@ def test_bad_use_is_refused(smol):
         BatchCodesCache([plain, ring])
     with pytest.raises(TypeError, match="single kind"):
         BatchCodesCache([])
+    turned = turned_mean(model, make_prompt_cache(model, bits=4.25))[0]
+    with pytest.raises(TypeError, match="single kind"):
+        BatchCodesCache([plain, turned])
+    with pytest.raises(TypeError, match="cannot extend a batch of TurboQuantKVCache with TurnedMeanCache"):
+        BatchCodesCache.merge([plain]).extend(BatchCodesCache.merge([turned]))
     kc, vc = codec_pair(None, None, 64)
     with pytest.raises(ValueError, match="keep > 0"):
         BatchCodesCache([TurboQuantRotatingKVCache(16, kc, vc, keep=4)])

@@ -243,6 +243,50 @@ def test_a_crafted_turned_mean_layer_is_refused(tmp_path, llama, n, edit_header,
         tq.load_prompt_cache(bad)
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("n", [5, 30])
+def test_turned_mean_layers_of_a_half_precision_model_save_and_load(tmp_path, n, dtype):
+    half = tiny_model("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+    half.set_dtype(dtype)
+    cache = tq.make_prompt_cache(half, bits=4.25, turned_mean=True)
+    run_in_chunks(half, toks(n), cache, [n])
+    tq.save_prompt_cache(tmp_path / "t.bin", cache, model=half)
+    loaded = tq.load_prompt_cache(tmp_path / "t.bin", model=half)
+    nxt = toks(3, seed=5)
+    assert mx.array_equal(half(nxt, cache=cache), half(nxt, cache=loaded)).item()
+    assert loaded[0].dtype == dtype
+
+
+def _as_turned(h):
+    """A plain budget layer's settings dressed as a turned-mean layer's."""
+    h["layers"][0]["turned_mean"] = {"rope": {"dims": 16, "traditional": False, "base": 10000.0, "scale": 1.0},
+                                     "fit_from": 0, "fit_tokens": 1, "dtype": "float32"}
+    return h
+
+
+def test_crafted_turned_mean_settings_on_other_layers_are_refused(tmp_path, llama):
+    cache = _turned(llama)
+    tq.save_prompt_cache(tmp_path / "t.bin", cache)             # empty: a version-3 label would hide the setting
+    bad = _rewrite(tmp_path / "t.bin", tmp_path / "bad.bin", lambda h: {**h, "version": 3})
+    with pytest.raises(ValueError, match="'turned_mean' needs format version 4, the file says 3"):
+        tq.load_prompt_cache(bad)
+    from turboquant.budget import codecs_for
+    k, v = codecs_for(4, 3, True)
+    plain = tq.make_prompt_cache(llama, key_codec=k, value_codec=v, sink_tokens=1)   # centred after RoPE
+    tq.save_prompt_cache(tmp_path / "p.bin", plain)
+    bad = _rewrite(tmp_path / "p.bin", tmp_path / "bad.bin", lambda h: {**_as_turned(h), "version": 4})
+    with pytest.raises(ValueError, match="codes keys with the codec inside its Centered.*key codec centered"):
+        tq.load_prompt_cache(bad)
+    cache = _turned(llama)
+    run_in_chunks(llama, toks(10), cache, [10])                 # still learning the mean: exact tokens held
+    tq.save_prompt_cache(tmp_path / "w.bin", cache)
+    three = lambda a: [a.__setitem__(n, mx.concatenate([a[n], a[n][:, :1]], axis=1)) for n in ("0.t.wk", "0.t.wv")]
+    bad = _rewrite(tmp_path / "w.bin", tmp_path / "bad.bin", edit_arrays=three)
+    assert tq.load_prompt_cache(bad)[0].offset == 10               # a valid file in itself …
+    with pytest.raises(ValueError, match="layer 0 holds 3 kv heads, the model has 2"):
+        tq.load_prompt_cache(bad, model=llama)                      # … for another model
+
+
 def test_a_turned_mean_cache_saved_by_mlx_lm_is_refused_saying_how_to_save_it(tmp_path, llama):
     cache = _turned(llama)
     run_in_chunks(llama, toks(30), cache, [30])

@@ -329,8 +329,29 @@ def test_turned_mean_refusals(llama):
     cache.update_and_fetch(mx.ones((1, 2, 3, 32)), mx.ones((1, 2, 3, 32)))
     with pytest.raises(ValueError, match="batch × kv heads"):
         cache.update_and_fetch(mx.ones((2, 2, 3, 32)), mx.ones((2, 2, 3, 32)))
-    with pytest.raises(TypeError, match="every layer of this cache is a sliding-window"):
+    with pytest.raises(ValueError, match="every layer of this cache is a sliding-window"):
         turned_mean(llama, tq.make_prompt_cache(llama, key_codec=k, value_codec=v, max_kv_size=64))
+    with pytest.raises(ValueError, match="give bits="):
+        tq.make_prompt_cache(llama, turned_mean=True)
+    with pytest.raises(ValueError, match="leave profile out"):
+        tq.make_prompt_cache(llama, bits=4.25, profile=True, turned_mean=True)
+    with pytest.raises(TypeError, match="turned_mean must be True or False"):
+        tq.make_prompt_cache(llama, bits=4.25, turned_mean=1)
+
+
+def test_a_failure_while_the_mean_is_handed_over_leaves_the_cache_usable(llama):
+    """A layer that fails as it learns its mean (here on NaN keys) raises its own error and
+    changes nothing: no other layer moved, so the prompt cache is not marked unusable."""
+    cache = tq.make_prompt_cache(llama, bits=4.25, turned_mean=True)
+    x = toks(30, seed=6)
+    run_in_chunks(llama, x[:, :10], cache, [10])
+    nan = mx.full((1, 2, 10, 32), float("nan"))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        cache[0].update_and_fetch(nan, nan)
+    assert cache[0].mean is None and cache[0].offset == 10
+    ref = run_in_chunks(llama, x, mlx_cache.make_prompt_cache(llama), [30])[:, 10:]
+    got = run_in_chunks(llama, x[:, 10:], cache, [20])
+    assert cache[0].mean is not None and mx.max(mx.abs(got - ref)).item() < 1.0
 
 
 def test_turned_mean_wraps_the_global_layers_of_a_sliding_window_model():

@@ -148,8 +148,10 @@ class BatchCodesCache(CacheBase):
     def extend(self, other: "BatchCodesCache") -> None:
         """Append ``other``'s sequences to this batch (both between forward passes)."""
         if not isinstance(other, BatchCodesCache) or other.rotating != self.rotating or \
-                (self.rotating and other.max_size != self.max_size):
-            raise TypeError(f"cannot extend a batch of {self._kind()} with {type(other).__name__}")
+                (self.rotating and other.max_size != self.max_size) or \
+                type(other.rows[0]) is not type(self.rows[0]):
+            raise TypeError(f"cannot extend a batch of {type(self.rows[0]).__name__} with "
+                            f"{type(other.rows[0]).__name__ if isinstance(other, BatchCodesCache) else type(other).__name__}")
         if (self._left is None) != (other._left is None):
             raise ValueError("cannot extend a batch in the middle of a right-padded prompt")
         self.rows += other.rows

@@ -165,7 +165,8 @@ class TurboQuantKVCache(CacheBase):
                 caches = group["caches"]
                 layer = next((n for n, c in enumerate(caches) if c is self or getattr(c, "inner", None) is self),
                              None)
-                ahead = [n for n, c in enumerate(caches) if c.offset != self.offset]
+                member = self if layer is None else caches[layer]   # a wrapper's offset is the layer's
+                ahead = [n for n, c in enumerate(caches) if c.offset != member.offset]
                 if ahead:
                     group["broken"] = (f"this prompt cache is unusable: a forward pass failed in layer {layer} "
                                        f"({type(e).__name__}: {e}) after layer(s) {ahead[0]}..{ahead[-1]} had "

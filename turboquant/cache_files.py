@@ -117,6 +117,8 @@ def _check_model(path, cache, model) -> None:
             ropes = rope_of(model) if ropes is None else ropes
             if c.rope != ropes[i]:
                 raise ValueError(f"{path}: layer {i} turns its key mean with {c.rope}, the model's RoPE is {ropes[i]}")
+            if not c.empty() and c.codes()[0].shape[1] != kv:       # also the exact tokens held before the mean
+                raise ValueError(f"{path}: layer {i} holds {c.codes()[0].shape[1]} kv heads, the model has {kv}")
             c = c.inner
         if isinstance(c, TurboQuantKVCache) and c.key_codes is not None:
             B, H = next(iter(c.key_codes.fields.values())).shape[:2]
@@ -174,7 +176,9 @@ def _load_turboquant_layout(path, arrays, meta):
     cache = []
     for i, (m, g) in enumerate(zip(layers, groups)):
         try:
-            turned = m.pop("turned_mean", None) if isinstance(m, dict) and version >= 4 else None
+            turned = m.pop("turned_mean", None) if isinstance(m, dict) else None
+            if turned is not None and version < 4:
+                raise ValueError(f"setting 'turned_mean' needs format version 4, the file says {version}")
             layer = _build_layer(m, (g["k"], g["v"], g["r"]))
             if turned is not None:
                 layer = TurnedMeanCache.from_file_state(layer, turned, g["t"])

@@ -247,9 +247,9 @@ class TurnedMeanCache(CacheBase):
     keys after the S sinks, but with RoPE undone (μ = mean of R_t⁻¹ k_t). Until S + F tokens
     have come the wrapper holds them exactly (whatever chunks they arrive in); then ``inner``
     receives all of them at once and every later token as R_t k_t − R_t μ, and keeps the first
-    S + F exactly (as the centred cache it replaces does). The residuals are handed over in
-    float32 whatever the keys' dtype, so the exact tokens stay exact (their copies then take
-    float32 bytes). Every query sees the same cache however the prompt is fed, to float rounding;
+    S + F exactly (as the centred cache it replaces does). The residuals and the values are
+    handed over in float32 whatever the model's dtype, so the exact tokens stay exact (their
+    copies then take float32 bytes) and the inner cache holds one dtype. Every query sees the same cache however the prompt is fed, to float rounding;
     the model's layers must take tokens in step (checked while the mean is learned too, when the
     wrappers come from ``turned_mean``).
 
@@ -310,11 +310,12 @@ class TurnedMeanCache(CacheBase):
             raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree in (B, H, T)")
         self._check_in_step(keys.shape[2])
         if self.mean is not None:
-            # the residuals stay float32 (the exact tokens among them are then exact in any dtype)
+            # residuals and values in float32: the exact tokens among them stay exact in any dtype, and the
+            # inner cache holds one dtype (what its files record)
             o, T = self.inner.offset, keys.shape[2]
             self.dtype = keys.dtype
             return self._out(*self.inner.update_and_fetch(
-                keys.astype(mx.float32) - _turned(self.mean, o, T, self.rope), values))
+                keys.astype(mx.float32) - _turned(self.mean, o, T, self.rope), values.astype(mx.float32)))
         if self._warm_k is not None and self._warm_k.shape[:2] != keys.shape[:2]:
             raise ValueError(f"this cache holds batch × kv heads {tuple(self._warm_k.shape[:2])}; new keys have "
                              f"{tuple(keys.shape[:2])}")
@@ -322,12 +323,12 @@ class TurnedMeanCache(CacheBase):
         v = values if self._warm_v is None else mx.concatenate([self._warm_v, values], axis=2)
         S, F, n = self.fit_from, self.fit_tokens, k.shape[2]
         if n < S + F:
-            self._warm_k, self._warm_v = k, v
+            self._warm_k, self._warm_v, self.dtype = k, v, keys.dtype
             return k, v
         fit = self.rope.apply(k[..., S:S + F, :].astype(mx.float32), S, inverse=True)
         mean = mx.mean(mx.moveaxis(fit, 1, 0).reshape(fit.shape[1], -1, D), axis=1)
         res = k.astype(mx.float32) - _turned(mean, 0, n, self.rope)
-        out = self.inner.update_and_fetch(res, v)          # a failure here leaves this cache as it was
+        out = self.inner.update_and_fetch(res, v.astype(mx.float32))   # a failure leaves this cache as it was
         self.mean, self._warm_k, self._warm_v, self.dtype = mean, None, None, keys.dtype
         return self._out(*out)
 
@@ -406,7 +407,7 @@ class TurnedMeanCache(CacheBase):
         # back into the tokens the mean was learned on: all held exactly; learn again from them
         k = self.inner.sink_keys[..., :keep, :]
         k = (k.astype(mx.float32) + _turned(self.mean, 0, keep, self.rope)).astype(self.dtype)
-        v = self.inner.sink_values[..., :keep, :]
+        v = self.inner.sink_values[..., :keep, :].astype(self.dtype)
         self.inner.trim(self.inner.offset)
         self.mean = None
         self._warm_k, self._warm_v = (k, v) if keep else (None, None)
@@ -475,6 +476,12 @@ class TurnedMeanCache(CacheBase):
                              "non-zero scale)")
         if isinstance(inner, TurboQuantRotatingKVCache) or not isinstance(inner, TurboQuantKVCache):
             raise ValueError(f"turned_mean wraps a plain cache, this layer is {type(inner).__name__}")
+        from .codecs import Centered
+        kc, vc = inner.key_codec, inner.value_codec
+        if isinstance(kc, Centered) or inner.learning or not (codec_ready(kc) and codec_ready(vc)):
+            raise ValueError("a turned-mean layer codes keys with the codec inside its Centered and learns nothing "
+                             f"else; this one has key codec {kc.config()['codec']}, value codec "
+                             f"{vc.config()['codec']}{' and is still learning' if inner.learning else ''}")
         S = check_int("turned_mean fit_from", settings["fit_from"], 0)
         F = check_int("turned_mean fit_tokens", settings["fit_tokens"], 1)
         if inner.sink_tokens != S + F:
@@ -537,8 +544,8 @@ def turned_mean(model, cache: list) -> list:
         raise ValueError(f"the cache has {len(cache)} layers, the model {len(ropes)}")
     plain = [not isinstance(c, TurboQuantRotatingKVCache) for c in cache]
     if not any(plain):
-        raise TypeError("turned_mean wraps plain (global) layers; every layer of this cache is a sliding-window "
-                        f"{type(cache[0]).__name__}")
+        raise ValueError("turned_mean wraps plain (global) layers; every layer of this cache is a sliding-window "
+                         f"{type(cache[0]).__name__}")
     for c, r, p in zip(cache, ropes, plain):
         if p:
             TurnedMeanCache.refuse(c, r)            # every layer checked before any is changed

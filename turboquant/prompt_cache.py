@@ -138,6 +138,9 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     """
     if not isinstance(turned_mean, bool):
         raise TypeError(f"turned_mean must be True or False, got {turned_mean!r}")
+    if turned_mean and bits is None and key_codec is None:
+        raise ValueError("turned_mean=True wraps centred keys: give bits= (the budgets centre keys) or a Centered "
+                         "key_codec")
     if turned_mean and profile is not None and profile is not False:
         raise ValueError("turned_mean=True wraps the uncalibrated budgets' centred keys; a calibrated profile's "
                          "key coders learn more than a mean: leave profile out")

@@ -54,9 +54,15 @@ def plot_budget_choice(rows, budget: float = 4.25, title: str = ""):
         ax.scatter([p[2] for p in inside], [p[3] for p in inside], s=24, color=COLORS[0], label="within budget")
         name, bits, inc = best_within([(p[0], p[2], p[3]) for p in inside], budget)
         ax.scatter([bits], [inc], s=120, facecolors="none", edgecolors=COLORS[1], lw=2)
+        ax.axvline(budget, c="k", lw=0.8, ls="--")
+        ax.set_yscale("log")
+        x, y = ax.transAxes.inverted().transform(ax.transData.transform((bits, inc)))
+        right, low = x > 0.5, y < 0.15              # the label on the sides with room, over a white ground
         ax.annotate(f"best: {name} ({inc:+.2f} %)", (bits, inc), textcoords="offset points",
-                    xytext=(8, -14), fontsize=8, color=COLORS[1])
-    ax.axvline(budget, c="k", lw=0.8, ls="--")
+                    xytext=(-10 if right else 10, 8 if low else -14), ha="right" if right else "left", fontsize=8,
+                    color=COLORS[1], bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.9))
+    else:
+        ax.axvline(budget, c="k", lw=0.8, ls="--")
     ax.set_yscale("log")
     ax.set_xlabel("bits per coordinate (side information included)")
     ax.set_ylabel("perplexity increase (%)")
