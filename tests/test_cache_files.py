@@ -287,6 +287,25 @@ def test_crafted_turned_mean_settings_on_other_layers_are_refused(tmp_path, llam
         tq.load_prompt_cache(bad, model=llama)                      # … for another model
 
 
+def test_a_file_whose_layers_disagree_is_refused(tmp_path, llama):
+    cache = tq.make_prompt_cache(llama)
+    run_in_chunks(llama, toks(10), cache, [10])
+    tq.save_prompt_cache(tmp_path / "c.bin", cache)
+    cache[1].trim(3)                                  # as if a forward pass had stopped part-way
+    with pytest.raises(ValueError, match="save_prompt_cache: layer 1 has offset 7, layer 0 10"):
+        tq.save_prompt_cache(tmp_path / "c.bin", cache)   # refused; the file saved before is kept
+    assert tq.load_prompt_cache(tmp_path / "c.bin")[1].offset == 10
+
+    def cut(a):                                       # the same disagreement, written by hand
+        for g in ("k", "v"):
+            for name in [n for n in a if n.startswith(f"1.{g}.")]:
+                a[name] = a[name][:, :, :7]
+    bad = _rewrite(tmp_path / "c.bin", tmp_path / "bad.bin",
+                   lambda h: (h["layers"][1].update(offset=7), h)[1], cut)
+    with pytest.raises(ValueError, match="layer 1 has offset 7, layer 0 10"):
+        tq.load_prompt_cache(bad)
+
+
 def test_a_turned_mean_cache_saved_by_mlx_lm_is_refused_saying_how_to_save_it(tmp_path, llama):
     cache = _turned(llama)
     run_in_chunks(llama, toks(30), cache, [30])

@@ -42,6 +42,7 @@ def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None, model=
     if metadata is not None and (not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise TypeError("metadata must map str to str")
+    _check_offsets(cache, "save_prompt_cache: ")          # a file that would not load is not written
     arrays, layers, codec_arrays = {}, [], {}
     for i, c in enumerate(cache):
         turned = None
@@ -95,6 +96,7 @@ def load_prompt_cache(path, return_metadata: bool = False, model=None):
     else:
         cache, user = _load_turboquant_layout(path, arrays, meta)
         saved_from = json.loads(meta["turboquant"]).get("model")
+    _check_offsets(cache, f"{path}: ")
     if model is not None:
         _check_model(path, cache, model)
         if saved_from is not None and saved_from != model_fingerprint(model):
@@ -102,6 +104,16 @@ def load_prompt_cache(path, return_metadata: bool = False, model=None):
                              f"{describe_model(model_fingerprint(model))}: its keys and values mean nothing there")
     tag_group(cache)
     return (cache, user) if return_metadata else cache
+
+
+def _check_offsets(cache, where: str = "") -> None:
+    """Every layer of a prompt cache sees every token, so its TurboQuant layers hold the same
+    offset; a list whose layers disagree (a forward pass stopped part-way) is refused."""
+    held = [(i, c.offset) for i, c in enumerate(cache) if isinstance(c, (TurboQuantKVCache, TurnedMeanCache))]
+    odd = [(i, o) for i, o in held if o != held[0][1]]
+    if odd:
+        raise ValueError(f"{where}layer {odd[0][0]} has offset {odd[0][1]}, layer {held[0][0]} {held[0][1]}: the "
+                         "layers of a prompt cache hold the same tokens (a forward pass that stopped part-way?)")
 
 
 def _check_model(path, cache, model) -> None:
