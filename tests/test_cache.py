@@ -360,6 +360,12 @@ def test_a_slice_of_the_cache_list_is_refused(llama):
     for t in (3, 1, 2):                                        # the whole list in any chunking is fine
         llama(tokens(t), cache=whole)
     assert {c.offset for c in whole} == {6}
+    import copy                                                # a copied list checks its own layers …
+    twin = copy.deepcopy(whole)
+    with pytest.raises(ValueError, match=r"layer 1 was given tokens while layer\(s\) 0\.\.0"):
+        llama(tokens(1), cache=twin[1:])
+    llama(tokens(1), cache=whole)                              # … and the original is not touched
+    assert {c.offset for c in whole} == {7}
 
 
 def test_another_batch_or_head_count_after_the_first_update_is_a_clear_error():

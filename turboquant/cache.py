@@ -542,13 +542,20 @@ class TurboQuantKVCache(CacheBase):
 
     def __deepcopy__(self, memo):
         """An independent copy: arrays copied, codecs rebuilt from their configurations
-        (mlx-lm deep-copies prompt caches in its server, batch generator and evaluation)."""
+        (mlx-lm deep-copies prompt caches in its server, batch generator and evaluation). A
+        copy of a whole prompt cache (the list) keeps the layers-in-step check among the
+        copies; a layer copied alone belongs to no group."""
         state = tuple({n: _copy_array(a) for n, a in part.items()} for part in self.state[:3])
         new = type(self).from_state(state, self.meta_state)
         new.n_layers = self.n_layers
         refit = self._refit
         new._refit = None if refit is None else {**refit, "configs": [dict(c) for c in refit["configs"]]}
         memo[id(self)] = new
+        group = self.group
+        copied = None if group is None else memo.get(id(group["caches"]))
+        if copied is not None:              # copying the whole prompt cache: the copies form their own group
+            new.group = memo.setdefault(id(group), {"caches": copied, "broken": group["broken"]})
+            new.group_index = self.group_index
         return new
 
 
