@@ -142,16 +142,23 @@ def plot_needle_grid(record: dict):
     """Needle retrieval from a recorded grid (``needles.needle_grid``): one panel per context
     length, the success rate against the needle's depth for each configuration, with its
     95 % Wilson interval as an error bar (points shifted sideways a little so they do not
-    hide one another). Contexts not yet measured for every configuration are left out."""
+    hide one another). A panel shows the configurations measured at every depth of its
+    context (each keeps its colour across panels); contexts with fewer than two such are left out."""
     results = record["results"]
+    depths = sorted({c["depth"] for r in results.values() for c in r["cells"]})
+
+    def measured(name, context):
+        return {c["depth"] for c in results[name]["cells"] if c["context"] == context} >= set(depths)
     contexts = sorted({c["context"] for r in results.values() for c in r["cells"]})
-    contexts = [x for x in contexts if all(any(c["context"] == x for c in r["cells"]) for r in results.values())]
+    contexts = [x for x in contexts if sum(measured(n, x) for n in results) >= 2]
     if not contexts:
-        raise ValueError("the grid has no context measured for every configuration")
-    fig, axes = figure(ncols=len(contexts), width=3.4, height=3.4, squeeze=False)
+        raise ValueError("the grid has no context measured at every depth for two configurations")
+    fig, axes = figure(ncols=len(contexts), width=3.4, height=4.4, squeeze=False)
     names = list(results)
     for ax, context in zip(axes[0], contexts):
         for i, name in enumerate(names):
+            if not measured(name, context):
+                continue
             cells = sorted((c for c in results[name]["cells"] if c["context"] == context), key=lambda c: c["depth"])
             x = np.array([100 * c["depth"] for c in cells]) + (i - (len(names) - 1) / 2) * 1.6
             y = np.array([c["ok"] / c["n"] for c in cells])
@@ -163,7 +170,13 @@ def plot_needle_grid(record: dict):
         ax.set_ylim(-0.03, 1.03)
         ax.set_xticks(sorted({100 * c["depth"] for r in results.values() for c in r["cells"]}))
     axes[0][0].set_ylabel("needles found (95 % Wilson interval)")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    legend = {}                                     # one legend for the panels, below them, off the data
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, h)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(3, len(legend)), fontsize=7,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.08 + 0.035 * -(-len(legend) // 3), 1, 1))
     return fig
 
 
