@@ -299,3 +299,23 @@ def test_every_suite_family_has_a_fixed_colour():
     assert len(set(FAMILY_ORDER)) == len(FAMILY_ORDER)
     assert [family_index(f) for f in FAMILY_ORDER] == list(range(len(FAMILY_ORDER)))
     assert family_index("a family of someone else's") >= len(FAMILY_ORDER)
+
+
+def test_the_needle_figure_draws_the_contexts_two_configurations_measured():
+    from turboquant.viz import plot_needle_grid
+
+    def cells(contexts):
+        return [{"context": x, "depth": d, "ok": 10, "n": 20, "lo": 0.3, "hi": 0.7}
+                for x in contexts for d in (0.1, 0.9)]
+    grid = {"results": {"fp32": {"bits": 32, "cells": cells((1024, 2048))},
+                        "a": {"bits": 4, "cells": cells((1024,))},
+                        "b": {"bits": 3, "cells": cells((2048,))[:1]}}}      # 2,048: one depth only
+    fig = plot_needle_grid(grid)
+    assert [ax.get_title() for ax in fig.axes] == ["1,024 tokens"]          # 2,048: fp32 alone at every depth
+    grid["results"]["b"]["cells"] = cells((2048,))
+    fig = plot_needle_grid(grid)
+    assert [ax.get_title() for ax in fig.axes] == ["1,024 tokens", "2,048 tokens"]
+    assert [len(ax.lines) > 0 for ax in fig.axes] == [True, True]
+    grid["results"] = {"fp32": grid["results"]["fp32"]}
+    with pytest.raises(ValueError, match="two configurations"):
+        plot_needle_grid(grid)
