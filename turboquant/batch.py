@@ -150,8 +150,8 @@ class BatchCodesCache(CacheBase):
         if not isinstance(other, BatchCodesCache) or other.rotating != self.rotating or \
                 (self.rotating and other.max_size != self.max_size) or \
                 type(other.rows[0]) is not type(self.rows[0]):
-            raise TypeError(f"cannot extend a batch of {type(self.rows[0]).__name__} with "
-                            f"{type(other.rows[0]).__name__ if isinstance(other, BatchCodesCache) else type(other).__name__}")
+            theirs = other.rows[0] if isinstance(other, BatchCodesCache) else other
+            raise TypeError(f"cannot extend a batch of {type(self.rows[0]).__name__} with {type(theirs).__name__}")
         if (self._left is None) != (other._left is None):
             raise ValueError("cannot extend a batch in the middle of a right-padded prompt")
         self.rows += other.rows

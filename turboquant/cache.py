@@ -819,7 +819,8 @@ def tag_group(cache: list) -> list:
     (``prerope.TurnedMeanCache``: an ``inner`` TurboQuant cache) is the group's member: it
     checks that the layers take tokens in step, its inner cache shares the group's verdict
     (``join_group``)."""
-    wrapped = lambda c: isinstance(getattr(c, "inner", None), TurboQuantKVCache) and hasattr(c, "join_group")  # noqa: E731
+    def wrapped(c) -> bool:
+        return isinstance(getattr(c, "inner", None), TurboQuantKVCache) and hasattr(c, "join_group")
     members = [c for c in cache if isinstance(c, TurboQuantKVCache) or wrapped(c)]
     if len(members) == len(cache):
         members = cache                     # the list itself: a deep copy of it re-links its wrappers

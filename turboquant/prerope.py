@@ -249,9 +249,10 @@ class TurnedMeanCache(CacheBase):
     receives all of them at once and every later token as R_t k_t − R_t μ, and keeps the first
     S + F exactly (as the centred cache it replaces does). The residuals and the values are
     handed over in float32 whatever the model's dtype, so the exact tokens stay exact (their
-    copies then take float32 bytes) and the inner cache holds one dtype. Every query sees the same cache however the prompt is fed, to float rounding;
-    the model's layers must take tokens in step (checked while the mean is learned too, when the
-    wrappers come from ``turned_mean``).
+    copies then take float32 bytes) and the inner cache holds one dtype. Every query sees the
+    same cache however the prompt is fed, to float rounding; the model's layers must take
+    tokens in step (checked before every update when the wrappers belong to a prompt cache:
+    ``turned_mean``, ``load_prompt_cache``).
 
     ``update_and_fetch`` returns keys with R_t μ added back (decoded), or under
     ``codes_attention`` a ``TurnedCodesView`` (scores from codes plus q·R_t μ). Offsets, bytes
@@ -469,7 +470,8 @@ class TurnedMeanCache(CacheBase):
             raise ValueError(f"turned_mean 'rope' must have dims, traditional, base, scale; got {r!r}")
         D = inner.key_codec.dim
         dims = check_int("turned_mean rope dims", r["dims"], 2, D)
-        num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")  # noqa: E731
+        def num(x) -> bool:                         # a finite number, not a bool
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) < float("inf")
         if dims % 2 or not isinstance(r["traditional"], bool) or not (num(r["base"]) and r["base"] > 0) \
                 or not (num(r["scale"]) and r["scale"] != 0):
             raise ValueError(f"turned_mean rope {r!r} is not a RoPE (even dims ≤ {D}, a positive base, a "
