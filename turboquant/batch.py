@@ -78,13 +78,6 @@ def _ints(name: str, xs, n: Optional[int] = None) -> list[int]:
     return vals
 
 
-def _batch_size(row) -> Optional[int]:
-    """Sequences a row holds (None while it is empty)."""
-    if hasattr(row, "batch_size"):                  # a wrapper (prerope.TurnedMeanCache)
-        return row.batch_size
-    return None if row.key_codes is None else next(iter(row.key_codes.fields.values())).shape[0]
-
-
 def _dense(x) -> mx.array:
     return x.dequantize() if isinstance(x, CodesView) else x
 
@@ -116,7 +109,7 @@ class BatchCodesCache(CacheBase):
                                  "batched: their kept tokens are not contiguous with the window")
             self.max_size = rows[0].max_size
         for r in rows:
-            b = _batch_size(r)
+            b = r.batch_size
             if b is not None:
                 if b != 1:
                     raise ValueError(f"each row of a batch cache holds one sequence; a row holds batch {b}")

@@ -431,6 +431,11 @@ class TurboQuantKVCache(CacheBase):
         w.update(chunks=chunks, k=w["k"][..., :n, :] if n else None, v=w["v"][..., :n, :] if n else None)
 
     @property
+    def batch_size(self) -> Optional[int]:
+        """Sequences held (None while empty)."""
+        return None if self.key_codes is None else next(iter(self.key_codes.fields.values())).shape[0]
+
+    @property
     def nbytes(self) -> int:
         if self.key_codes is None:
             return 0

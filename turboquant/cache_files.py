@@ -129,8 +129,9 @@ def _check_model(path, cache, model) -> None:
             ropes = rope_of(model) if ropes is None else ropes
             if c.rope != ropes[i]:
                 raise ValueError(f"{path}: layer {i} turns its key mean with {c.rope}, the model's RoPE is {ropes[i]}")
-            if not c.empty() and c.codes()[0].shape[1] != kv:       # also the exact tokens held before the mean
-                raise ValueError(f"{path}: layer {i} holds {c.codes()[0].shape[1]} kv heads, the model has {kv}")
+            H = None if c.empty() else c.codes()[0].shape[1]   # also the exact tokens held before the mean
+            if H is not None and H != kv:
+                raise ValueError(f"{path}: layer {i} holds {H} kv heads, the model has {kv}")
             c = c.inner
         if isinstance(c, TurboQuantKVCache) and c.key_codes is not None:
             B, H = next(iter(c.key_codes.fields.values())).shape[:2]

@@ -433,7 +433,7 @@ class TurnedMeanCache(CacheBase):
     def batch_size(self):
         """Sequences held (None while empty)."""
         if self.mean is not None:
-            return next(iter(self.inner.key_codes.fields.values())).shape[0]
+            return self.inner.batch_size
         return None if self._warm_k is None else self._warm_k.shape[0]
 
     def codes(self):

@@ -174,7 +174,7 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
         _warn_rotating(out, fp_window, sink_tokens)
     if turned_mean:
         from .prerope import turned_mean as wrap
-        return wrap(model, tag_group(out))
+        return wrap(model, out)                    # it tags the list it returns
     return tag_group(out)
 
 
