@@ -117,6 +117,11 @@ def test_eval_on_several_domains_summarises_each_configurations_worst(tmp_path, 
      "--turned-mean would contradict it"),
     (["serve", "--plain", "--turned-mean"], "argument --plain: mlx-lm's own uncompressed caches"),
     (["serve", "--turned-mean", "--codec", '{"codec": "identity"}'], "--turned-mean wraps a budget's centred keys"),
+    (["serve", "--turned-mean", "--profile"], "argument --turned-mean: it wraps the uncalibrated budgets, not a --profile"),
+    (["serve", "--profile", "/nonexistent/p.json"], "argument --profile: no file /nonexistent/p.json"),
+    (["serve", "--bits", "3.25", "--key-bits", "4", "--profile"],
+     "argument --profile: it chooses the configuration for --bits, not for --key-bits"),
+    (["needle", "--positions", "100"], "argument --positions: at least one 512-token window (and below 2**31), or 0"),
 ])
 def test_bad_arguments_give_a_usage_message_and_status_2(argv, message, capsys):
     import time

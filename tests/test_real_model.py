@@ -257,6 +257,33 @@ def test_a_needle_grid_resumes_and_remeasures_a_changed_profile(smol, tmp_path, 
         needles.needle_grid(model, tok, ["nope"], [192], **kw)
 
 
+def test_a_needle_grid_fits_calibrated_rows_over_the_positions_it_records(smol, tmp_path, monkeypatch):
+    """A grid's calibrated rows are fitted with their keys spread over the model's context (a
+    needle sits far past one calibration window); each row records those positions, is not
+    fitted again when resumed with the same, and is measured again with others."""
+    from turboquant import needles, suite
+    from turboquant.calibration.phases import context_length
+    model, tok = smol
+    seen = []
+    fitted = suite.calibration_statistics
+
+    def one_window(model, tok, names, corpus, windows, progress, positions=None):   # the grid fits on 8
+        seen.append(positions)
+        return fitted(model, tok, names, corpus, 1, progress, positions=positions)
+
+    monkeypatch.setattr(suite, "calibration_statistics", one_window)
+    kw = dict(depths=[0.5], values=1, out=tmp_path / "grid.json", chunk=64, progress=False)
+    first = needles.needle_grid(model, tok, ["KVQuant-style 4"], [192], **kw)
+    assert seen == [context_length(model)] == [first["results"]["KVQuant-style 4"]["calibration_positions"]]
+    needles.needle_grid(model, tok, ["KVQuant-style 4"], [192], **kw)
+    assert seen == [context_length(model)]                       # resumed: nothing fitted or measured again
+    again = needles.needle_grid(model, tok, ["KVQuant-style 4"], [192], positions=None, **kw)
+    assert seen == [context_length(model), None] and again["results"]["KVQuant-style 4"]["calibration_positions"] is None
+    assert len(again["results"]["KVQuant-style 4"]["cells"]) == 1
+    with pytest.raises(ValueError, match="positions must be .* got 100"):
+        needles.needle_grid(model, tok, ["KVQuant-style 4"], [192], positions=100, **kw)
+
+
 def test_channel_profile_sees_an_outlier_channel_and_the_rotation_spread_it():
     """One channel 20× the others: it holds half the energy of the raw channels; after a
     random rotation the outlier's direction is spread over all channels (its largest share

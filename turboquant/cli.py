@@ -98,6 +98,29 @@ def _model(args) -> int:
     return 1 if failed else 0
 
 
+def _check_profile_flags(args) -> None:
+    """--profile's rules, one home for generate, chat and serve: it chooses the configuration
+    for --bits (default: the default budget), so it refuses --key-bits/--value-bits/--codec and
+    --turned-mean (which wraps the uncalibrated budgets), and a profile path must be a file."""
+    if args.profile is None:
+        return
+    if args.key_bits or args.value_bits or args.codec:
+        args.parser.error("argument --profile: it chooses the configuration for --bits, not for "
+                          "--key-bits/--value-bits/--codec")
+    if args.turned_mean:
+        args.parser.error("argument --turned-mean: it wraps the uncalibrated budgets, not a --profile")
+    if args.bits is None:
+        from .generate import DEFAULT_BITS
+        args.bits = DEFAULT_BITS                          # the default budget, from the profile
+    if args.profile is not True:
+        try:
+            found = Path(args.profile).is_file()
+        except OSError:                                   # e.g. a name too long for the file system
+            found = False
+        if not found:
+            args.parser.error(f"argument --profile: no file {args.profile}")
+
+
 def _load_for_generation(args):
     from .generate import cache_options, new_cache
     from .models import load
@@ -106,21 +129,7 @@ def _load_for_generation(args):
     if getattr(args, "load_cache", None) and set_:
         args.parser.error(f"--load-cache restores the saved cache with its own codecs: {', '.join(set_)} "
                           "would contradict it")
-    if args.profile is not None and args.bits is None and (args.key_bits or args.value_bits or args.codec):
-        args.parser.error("argument --profile: it chooses the configuration for --bits, not for "
-                          "--key-bits/--value-bits/--codec")
-    if args.profile is not None and args.turned_mean:
-        args.parser.error("argument --turned-mean: it wraps the uncalibrated budgets, not a --profile")
-    if args.profile is not None and args.bits is None:
-        from .generate import DEFAULT_BITS
-        args.bits = DEFAULT_BITS                          # the default budget, from the profile
-    if args.profile not in (None, True):
-        try:
-            found = Path(args.profile).is_file()
-        except OSError:                                   # e.g. a name too long for the file system
-            found = False
-        if not found:
-            args.parser.error(f"argument --profile: no file {args.profile}")
+    _check_profile_flags(args)
     try:
         options = cache_options(args.bits, args.key_bits, args.value_bits, args.codec, args.max_kv_size,
                                 args.turned_mean)
@@ -205,11 +214,7 @@ def _calibrate(args) -> int:
         if not path.is_file():
             args.parser.error(f"argument --text: no file {path}")
         text = path.read_text(encoding="utf-8", errors="strict")
-    from .calibration import WINDOW
-    from .calibration.phases import valid_positions
-    if args.positions and not valid_positions(args.positions, WINDOW):
-        args.parser.error(f"argument --positions: at least one {WINDOW}-token window (and below 2**31), or 0, "
-                          f"got {args.positions}")
+    _check_positions(args)
     model, tok = load(args.model)
     name = args.model if args.name is None else args.name
     prof = calibrate(model, tok, args.budgets, name=name, corpus=args.corpus if text is None else str(args.text),
@@ -282,15 +287,26 @@ def _longctx(args) -> int:
     return 0
 
 
+def _check_positions(args) -> None:
+    """--positions (calibrate, needle): 0 (fit within the windows), or a context of at least one window."""
+    from .calibration import WINDOW
+    from .calibration.phases import valid_positions
+    if args.positions and not valid_positions(args.positions, WINDOW):
+        args.parser.error(f"argument --positions: at least one {WINDOW}-token window (and below 2**31), or 0, "
+                          f"got {args.positions}")
+
+
 def _needle(args) -> int:
     from .models import load
     from .needles import needle_grid, needle_table
     names = _config_names(args)
+    _check_positions(args)
     model, tok = load(args.model)
     try:
         record = needle_grid(model, tok, names, args.contexts, args.depths, args.values,
                              model_name=f"{args.model} (float32)", out=args.out, chunk=args.chunk,
-                             calibration_corpus=args.calibration_corpus, progress=not args.quiet)
+                             calibration_corpus=args.calibration_corpus, progress=not args.quiet,
+                             positions="context" if args.positions is None else args.positions or None)
     except ValueError as e:
         args.parser.error(str(e))
     rows = needle_table(record)
@@ -490,7 +506,7 @@ def _bench_generate(args) -> int:
 
 def _serve(args) -> int:
     import shlex
-    from .generate import DEFAULT_BITS, cache_options
+    from .generate import cache_options
     from .serve import serve, serve_plain
     if args.plain and (args.turned_mean or any(getattr(args, n) is not None
                                                for n in ("bits", "key_bits", "value_bits", "codec", "profile"))):
@@ -498,13 +514,7 @@ def _serve(args) -> int:
     if args.max_kv_size is not None:
         args.parser.error("argument --max-kv-size: its rotating caches keep 4 leading tokens, which are not "
                           "batched; serve windows through the model's own sliding layers")
-    if args.profile is not None and (args.key_bits or args.value_bits or args.codec):
-        args.parser.error("argument --profile: it chooses the configuration for --bits, not for "
-                          "--key-bits/--value-bits/--codec")
-    if args.profile is not None and args.turned_mean:
-        args.parser.error("argument --turned-mean: it wraps the uncalibrated budgets, not a --profile")
-    if args.profile is not None and args.bits is None:
-        args.bits = DEFAULT_BITS
+    _check_profile_flags(args)
     try:
         options = cache_options(args.bits, args.key_bits, args.value_bits, args.codec, turned_mean=args.turned_mean)
     except ValueError as e:
@@ -708,6 +718,9 @@ def main(argv=None) -> int:
     nd.add_argument("--chunk", type=_int_at_least(1), default=256, help="prefill chunk size")
     nd.add_argument("--calibration-corpus", choices=sorted(set(DOMAINS) - {"lee"}), default="wikipedia",
                     help="text calibrated configurations are fitted on (the haystack is lee)")
+    nd.add_argument("--positions", type=_int_at_least(0), default=None,
+                    help="calibrated configurations are fitted on keys moved by RoPE to positions spread "
+                         "below this (default: the model's context; 0: where the 512-token windows put them)")
     nd.add_argument("--out", default=None,
                     help="JSON written after every configuration × context; an existing file resumes")
     nd.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -28,6 +28,22 @@ def _profile_digest(model) -> Optional[str]:
     return None if p is None else hashlib.sha256(json.dumps(p, sort_keys=True).encode()).hexdigest()
 
 
+_IDENTITY = {"profile_sha256": "the profile", "calibration_positions": "the positions its coders were fitted for"}
+
+
+def _calibration_positions(model, positions) -> Optional[int]:
+    """``needle_grid``'s ``positions``: "context" → the model's context length, None, or an
+    integer of at least one calibration window (else ``ValueError`` naming it)."""
+    from .calibration import WINDOW
+    from .calibration.phases import context_length, valid_positions
+    if positions == "context":
+        return context_length(model)
+    if positions is not None and not valid_positions(positions, WINDOW):
+        raise ValueError(f"positions must be 'context', None or a context length of at least {WINDOW} tokens "
+                         f"(and below 2**31), got {positions!r}")
+    return positions
+
+
 def _setup(model_name, contexts, depths, values, chunk, calibration_corpus) -> dict:
     return {"model": model_name, "haystack": HAYSTACK, "contexts": list(contexts), "depths": list(depths),
             "values": values, "chunk": chunk, "calibration": {"corpus": calibration_corpus, "windows": 8}}
@@ -36,7 +52,7 @@ def _setup(model_name, contexts, depths, values, chunk, calibration_corpus) -> d
 def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
                 depths: Sequence[float] = (0.1, 0.5, 0.9), values: int = 20, *, model_name: str = "",
                 out: Optional[Path] = None, chunk: int = 256, calibration_corpus: str = "wikipedia",
-                progress: bool = True) -> dict:
+                positions="context", progress: bool = True) -> dict:
     """Needle accuracy of each named ``suite.CONFIGS`` configuration: for every context × depth,
     ``values`` secret codes (``needle_values``), each a trial; per cell the successes with a
     95 % Wilson interval. Returns {"setup": …, "results": {name: {"bits", "family", "cells":
@@ -48,7 +64,13 @@ def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
     shipped profile changed since, that row is measured again rather than mixed. Contexts run shortest first for every configuration
     before the next context, so a partial file is a complete grid at its shorter contexts.
     Calibrated configurations (KVQuant-style, ``calibrated b``) are fitted on 8 windows of
-    ``calibration_corpus`` (``suite.calibration_statistics``), captured once when first needed."""
+    ``calibration_corpus`` (``suite.calibration_statistics``), captured once when first needed,
+    with their keys and queries moved to ``positions`` spread over [0, N) as a profile is
+    (``calibration.capture_statistics``): "context" (default) the model's context, an integer
+    N, or None to fit where the 512-token windows put them. A grid's cells reach far past one
+    window, and a coder fitted within it codes later keys many-fold worse (Chapter 10, "Past the
+    calibrated positions"). Each calibrated row records its ``calibration_positions``; a row
+    resumed with other positions is measured again rather than mixed, as a profile row is."""
     from .checks import check_int
     from .data import load_text
     from .evaluation import encode_text, needle_accuracy, needle_values
@@ -68,6 +90,7 @@ def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
     if calibration_corpus == HAYSTACK:
         raise ValueError(f"calibrated configurations must not be fitted on the haystack text {HAYSTACK!r}")
     digest = _profile_digest(model) if any(getattr(CONFIGS[n], "needs_profile", False) for n in names) else None
+    positions = _calibration_positions(model, positions)
     setup = _setup(model_name, contexts, list(depths), values, chunk, calibration_corpus)
     record = {"setup": setup, "results": {}}
     old_record = read_record(out, "needle grid")
@@ -87,11 +110,14 @@ def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
                      "trials": [], "seconds": 0.0}
             if getattr(CONFIGS[name], "needs_profile", False):
                 fresh["profile_sha256"] = digest
+            if CONFIGS[name].needs_calibration:
+                fresh["calibration_positions"] = positions
             row = record["results"].setdefault(name, fresh)
-            if row.get("profile_sha256") != fresh.get("profile_sha256"):
-                if progress:                              # the profile was re-calibrated: its cells are stale
-                    print(f"needle: {name}: the profile changed since its cells were measured; re-running them",
-                          flush=True)
+            stale = [k for k in _IDENTITY if row.get(k) != fresh.get(k)]
+            if stale:
+                if progress:                              # another profile or fit: its cells are stale
+                    print(f"needle: {name}: {_IDENTITY[stale[0]]} changed since its cells were measured; "
+                          "re-running them", flush=True)
                 row = record["results"][name] = fresh
             todo = [d for d in depths if not any(c["context"] == context and c["depth"] == d for c in row["cells"])]
             for depth in todo:                            # cells an earlier run of this grid measured are kept
@@ -99,7 +125,8 @@ def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
                     print(f"needle: {name} at {context} tokens, depth {depth:.0%}", flush=True)
                 t0 = time.time()
                 if CONFIGS[name].needs_calibration and stats is None:
-                    stats = calibration_statistics(model, tokenizer, names, calibration_corpus, 8, progress)
+                    stats = calibration_statistics(model, tokenizer, names, calibration_corpus, 8, progress,
+                                                   positions=positions)
                 r = needle_accuracy(model, tokenizer, hay, [context], [depth], CONFIGS[name].make_cache(model, stats),
                                     values=codes, chunk=chunk, progress=progress)
                 row["cells"] += r["cells"]

@@ -412,15 +412,17 @@ def _refuse_tuned_on(model, names, corpus: str, calibration_corpus: str, start: 
 
 
 def calibration_statistics(model, tokenizer, names: Sequence[str], corpus: str, windows: int = 8,
-                           progress: bool = False) -> list[dict]:
+                           progress: bool = False, positions: Optional[int] = None) -> list[dict]:
     """What the calibrated configurations among ``names`` are fitted on: per-layer
-    statistics of ``windows`` windows of ``corpus`` (``calibration.capture_statistics``),
+    statistics of ``windows`` windows of ``corpus`` (``calibration.capture_statistics``; with
+    ``positions`` the keys and queries spread over [0, positions) by RoPE, else where the
+    windows put them: the suite's perplexities are scored in such windows),
     with each layer's measured "sensitivity" on the first four windows when a
     configuration allocates bits across layers (``calibration.layer_sensitivity``)."""
     from .calibration import WINDOW, capture_statistics, layer_sensitivity
     bos = tqeval.bos_id(tokenizer)
     cal = tqeval.encode_text(tokenizer, load_text(corpus), windows * WINDOW)
-    stats = capture_statistics(model, cal, bos=bos)
+    stats = capture_statistics(model, cal, bos=bos, positions=positions)
     if any(getattr(CONFIGS[n], "fit", {}).get("allocate") for n in names):
         for s, v in zip(stats, layer_sensitivity(model, stats, cal[:4 * WINDOW], bos=bos, progress=progress)):
             s["sensitivity"] = float(v)
