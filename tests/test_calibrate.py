@@ -515,3 +515,43 @@ def test_a_profile_fitted_over_the_context_holds_past_its_windows(model, tmp_pat
         cal.save_profile({**prof, "calibration": {**prof["calibration"], field: bad}}, path)
         with pytest.raises(ValueError, match=f"calibration {field}"):
             cal.load_profile(path)
+
+
+def test_statistics_before_rope_are_what_a_pre_rope_cache_codes(model):
+    """capture_statistics(pre_rope=True) adds "k_pre": the keys a ``PreRopeCache`` hands its
+    codec (RoPE undone, checked against the cache's own inverse RoPE), and "metric_pre": the
+    metric of the queries moved to drawn positions (the distances at which they read a key
+    before RoPE); the other statistics are unchanged. fit_layers(pre_rope=True) fits the key
+    coders on them, with no positions (such keys have none), and refuses statistics without
+    them; the suite's pre-RoPE KVQuant-style row builds PreRopeCaches that follow fp32."""
+    from turboquant import suite
+    from turboquant.calibration.phases import layer_rope, move
+    from turboquant.evaluation import capture_qkv
+    from turboquant.prerope import PreRopeCache, rope_of
+    ids = ByteTokenizer().encode(TEXT)[:512]
+    plain = cal.capture_statistics(model, ids, sink=1)
+    pre = cal.capture_statistics(model, ids, sink=1, pre_rope=True)
+    assert all(np.array_equal(a[n], b[n]) for a, b in zip(plain, pre) for n in ("k", "v", "metric"))
+    k = mx.array(plain[1]["k"][None].astype(np.float32))          # positions 1 … 511 (the sink left out)
+    assert np.allclose(np.array(rope_of(model)[1].apply(k, 1, inverse=True)[0]), pre[1]["k_pre"], atol=1e-5)
+    q = np.array(capture_qkv(model, ids)[1]["q"][0, :, 1:]).astype(np.float64)
+    to = np.random.default_rng([0, 0, 1]).integers(0, 512, size=511)
+    moved = move(q, to - np.arange(1, 512), layer_rope(model, 1))
+    for h in range(2):
+        g = moved[2 * h:2 * h + 2].reshape(-1, 16)
+        assert np.allclose(pre[1]["metric_pre"][h], g.T @ g / len(g), rtol=1e-4, atol=1e-8)
+    keys, values = cal.fit_layers(pre, 4.0, 4.0, pre_rope=True)
+    assert {c.positions for c in keys} == {None}
+    assert keys[1] == TransformCoder.calibrate(pre[1]["k_pre"], 4.0, metric=pre[1]["metric_pre"], outliers=1)
+    assert values[1] == cal.fit_layers(plain, 4.0, 4.0)[1][1]       # values carry no RoPE: fitted as before
+    with pytest.raises(ValueError, match="pre_rope=True needs statistics captured with pre_rope=True"):
+        cal.fit_layers(plain, 4.0, 4.0, pre_rope=True)
+    with pytest.raises(TypeError, match="pre_rope must be True or False, got 1"):
+        cal.capture_statistics(model, ids, pre_rope=1)
+    make = suite.CONFIGS["pre-RoPE KVQuant-style 4"].make_cache(model, pre)
+    cache = make()
+    assert all(isinstance(c, PreRopeCache) for c in cache)
+    x = mx.array(ids[:96])[None]
+    exact, coded = model(x), model(x, cache=cache)
+    cos = (exact * coded).sum(-1) / (mx.linalg.norm(exact, axis=-1) * mx.linalg.norm(coded, axis=-1))
+    assert float(cos.min()) > 0.99

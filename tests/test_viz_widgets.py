@@ -316,6 +316,11 @@ def test_the_needle_figure_draws_the_contexts_two_configurations_measured():
     fig = plot_needle_grid(grid)
     assert [ax.get_title() for ax in fig.axes] == ["1,024 tokens", "2,048 tokens"]
     assert [len(ax.lines) > 0 for ax in fig.axes] == [True, True]
+    fig = plot_needle_grid(grid, ["b", "fp32"])                               # the rows named, in that order
+    assert [ax.get_title() for ax in fig.axes] == ["2,048 tokens"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["b (3 b)", "fp32"]
+    with pytest.raises(ValueError, match="names must be rows of the grid .* got \\['c'\\]"):
+        plot_needle_grid(grid, ["fp32", "c"])
     grid["results"] = {"fp32": grid["results"]["fp32"]}
     with pytest.raises(ValueError, match="two configurations"):
         plot_needle_grid(grid)

@@ -228,8 +228,13 @@ class Calibrated(Config):
         if stats is None:
             raise ValueError("a calibrated configuration needs calibration statistics")
         keys, values = fit_layers(stats, **self.fit)
-        return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values, fp_window=self.fp_window,
+        make = lambda: make_prompt_cache(model, key_codec=keys, value_codec=values, fp_window=self.fp_window,
                                          sink_tokens=self.sink_tokens, warn_rotating=False)
+        if self.fit.get("pre_rope"):                # keys coded before RoPE, as they were fitted
+            from .prerope import pre_rope
+            pre_rope(model, make())                 # an unsupported model fails here, not in the first window
+            return lambda: pre_rope(model, make())
+        return make
 
     def bits(self, dim):
         """What the coders fitted from these arguments cost, plus the exact recent window
@@ -329,6 +334,11 @@ CONFIGS: dict[str, Config] = {
         "KVQuant-style", fit=dict(key_bits=b, value_bits=b, outliers=1, transform="channels", uniform=True),
         note="per-channel non-uniform levels fitted on calibration text, 1 exact outlier per vector, "
              "exact first token; after RoPE (mlx-lm applies it before the cache)") for b in (4, 3, 2)},
+    **{f"pre-RoPE KVQuant-style {b}": Calibrated(
+        "KVQuant-style, keys before RoPE", fit=dict(key_bits=b, value_bits=b, outliers=1, transform="channels",
+                                                    uniform=True, pre_rope=True),
+        note="as KVQuant-style b, the keys' levels fitted and coded before RoPE (KVQuant's choice; "
+             "prerope.PreRopeCache: decoded at each step)") for b in (4, 3, 2)},
     # ---- ours: transform coding calibrated on another text (Chapter 10)
     **{f"calibrated {b}": Calibrated(
         "calibrated transform coding", fit=dict(key_bits=b, value_bits=b, outliers=1),
@@ -350,6 +360,10 @@ CONFIGS: dict[str, Config] = {
         "calibrated transform coding (levers)", fit=dict(key_bits=b, value_bits=b, outliers=1, allocate=True),
         note="as calibrated b, the bits spread across layers by each layer's measured perplexity "
              "sensitivity (calibration.allocate_layers), same mean") for b in (4.25, 3.25, 2.25)},
+    **{f"calibrated {b}, keys before RoPE": Calibrated(
+        "calibrated transform coding (levers)", fit=dict(key_bits=b, value_bits=b, outliers=1, pre_rope=True),
+        note="as calibrated b, the keys fitted and coded before RoPE, under the query metric averaged over "
+             "query-key distances (prerope.PreRopeCache: decoded at each step)") for b in (4.25, 3.25, 2.25)},
     **{f"calibrated {b}, recent 16": Calibrated(
         "calibrated transform coding (levers)", fit=dict(key_bits=b - 0.5, value_bits=b - 0.5, outliers=1),
         fp_window=16, note="calibrated b − 0.5 plus the 16 newest tokens exact (float16): 0.5 bits "
@@ -416,13 +430,15 @@ def calibration_statistics(model, tokenizer, names: Sequence[str], corpus: str, 
     """What the calibrated configurations among ``names`` are fitted on: per-layer
     statistics of ``windows`` windows of ``corpus`` (``calibration.capture_statistics``; with
     ``positions`` the keys and queries spread over [0, positions) by RoPE, else where the
-    windows put them: the suite's perplexities are scored in such windows),
+    windows put them: the suite's perplexities are scored in such windows; with the keys
+    before RoPE too when a configuration codes them there),
     with each layer's measured "sensitivity" on the first four windows when a
     configuration allocates bits across layers (``calibration.layer_sensitivity``)."""
     from .calibration import WINDOW, capture_statistics, layer_sensitivity
     bos = tqeval.bos_id(tokenizer)
     cal = tqeval.encode_text(tokenizer, load_text(corpus), windows * WINDOW)
-    stats = capture_statistics(model, cal, bos=bos, positions=positions)
+    pre = any(getattr(CONFIGS[n], "fit", {}).get("pre_rope") for n in names)
+    stats = capture_statistics(model, cal, bos=bos, positions=positions, pre_rope=pre)
     if any(getattr(CONFIGS[n], "fit", {}).get("allocate") for n in names):
         for s, v in zip(stats, layer_sensitivity(model, stats, cal[:4 * WINDOW], bos=bos, progress=progress)):
             s["sensitivity"] = float(v)
@@ -725,7 +741,8 @@ def mse_config(key_bits: Optional[int] = None, value_bits: Optional[int] = None,
     return Codecs("TQ-mse", key=k, value=v, sink_tokens=sink_tokens)
 
 
-PUBLISHED = ("mlx-lm affine", "rotated affine", "split channels", "KIVI-style", "KVQuant-style")
+PUBLISHED = ("mlx-lm affine", "rotated affine", "split channels", "KIVI-style", "KVQuant-style",
+             "KVQuant-style, keys before RoPE")
 """The families of published methods (the goals ask to be ahead of each within its budget)."""
 
 

@@ -80,7 +80,7 @@ def positions_seen(positions: Optional[int], window: int = WINDOW, bos: Optional
 
 def capture_statistics(model, ids: Sequence[int], bos: Optional[int] = None, window: int = WINDOW,
                        sink: int = 1, positions: Optional[int] = None, seed: int = 0,
-                       progress: bool = False) -> list[dict]:
+                       pre_rope: bool = False, progress: bool = False) -> list[dict]:
     """Per layer {"k", "v": (H, N, D) float64, "metric", "value_metric": (H, D, D),
     "positions": ``positions_seen``} from the
     model run on consecutive windows of ``ids`` (each preceded by ``bos`` if given), the
@@ -90,9 +90,16 @@ def capture_statistics(model, ids: Sequence[int], bos: Optional[int] = None, win
     With ``positions`` (a context length), every captured key and query is moved by the
     layer's RoPE to a position drawn uniformly from [0, positions) (``phases.spread``,
     seeded by ``seed`` and the window): statistics that hold at every position below it,
-    not only within the window (Chapter 10, "Past the calibrated positions")."""
+    not only within the window (Chapter 10, "Past the calibrated positions").
+
+    With ``pre_rope``, every layer also gets "k_pre": the keys with RoPE undone (each moved to
+    position 0, where RoPE is the identity: what ``prerope.PreRopeCache`` hands its codec), and
+    "metric_pre": E[q qᵀ] of the queries moved to positions drawn uniformly from [0, P) — P
+    ``positions``, else the window — so that for a key error e before RoPE, q_s·R_t e =
+    (R_{s−t} q)·e is weighted over query–key distances s − t in [0, P). Both are taken before
+    any ``positions`` spread."""
     from ..evaluation import capture_qkv
-    from .phases import layer_rope, spread, valid_positions
+    from .phases import layer_rope, spread, unrope, valid_positions
     ids = [int(i) for i in ids]
     n_win = len(ids) // window
     if n_win < 1:
@@ -102,12 +109,16 @@ def capture_statistics(model, ids: Sequence[int], bos: Optional[int] = None, win
                          f"or None (fit where the windows put the keys), got {positions!r}")
     head = [] if bos is None else [int(bos)]
     skip = len(head) + sink
-    ropes = None if positions is None else [layer_rope(model, i) for i in range(len(model.layers))]
+    if not isinstance(pre_rope, bool):
+        raise TypeError(f"pre_rope must be True or False, got {pre_rope!r}")
+    ropes = None if positions is None and not pre_rope else [layer_rope(model, i) for i in range(len(model.layers))]
     acc = None
     for w in progress_bar(range(n_win), n_win, "capture", progress):
         cap = capture_qkv(model, head + ids[w * window:(w + 1) * window])
         part = [{n: np.array(layer[n][0, :, skip:]).astype(np.float64) for n in "qkv"} for layer in cap]
-        if ropes is not None:
+        if pre_rope:
+            unrope(part, ropes, skip, positions or window, np.random.default_rng([seed, w, 1]))
+        if positions is not None:
             spread(part, ropes, skip, positions, np.random.default_rng([seed, w]))
         acc = [[p] for p in part] if acc is None else [a + [p] for a, p in zip(acc, part)]
     stats = []
@@ -115,21 +126,31 @@ def capture_statistics(model, ids: Sequence[int], bos: Optional[int] = None, win
         k = np.concatenate([p["k"] for p in parts], axis=1)
         v = np.concatenate([p["v"] for p in parts], axis=1)
         q = np.concatenate([p["q"] for p in parts], axis=1)
-        H, g = k.shape[0], q.shape[0] // k.shape[0]
-        metric = np.stack([np.einsum("gnd,gne->de", q[h * g:(h + 1) * g], q[h * g:(h + 1) * g])
-                           / (g * q.shape[1]) for h in range(H)])
+        H = k.shape[0]
+        metric = _query_metric(q, H)
         try:
             vm = output_metric(model, len(stats), H, k.shape[-1])
         except ValueError:
             vm = None
         stats.append({"k": k, "v": v, "metric": metric, "value_metric": vm,
                       "positions": positions_seen(positions, window, bos)})
+        if pre_rope:
+            qp = np.concatenate([p["q_pre"] for p in parts], axis=1)
+            stats[-1]["k_pre"] = np.concatenate([p["k_pre"] for p in parts], axis=1)
+            stats[-1]["metric_pre"] = _query_metric(qp, H)
     return stats
+
+
+def _query_metric(q: np.ndarray, H: int) -> np.ndarray:
+    """(H, D, D): E[q qᵀ] over the query heads (H_q, N, D) that read each of ``H`` kv heads."""
+    g = q.shape[0] // H
+    return np.stack([np.einsum("gnd,gne->de", q[h * g:(h + 1) * g], q[h * g:(h + 1) * g]) / (g * q.shape[1])
+                     for h in range(H)])
 
 
 def fit_layers(stats: list[dict], key_bits: float, value_bits: float, outliers: int = 1,
                transform: str = "klt", query_metric: bool = True, uniform: bool = False,
-               value_metric: bool = False, allocate: bool = False,
+               value_metric: bool = False, allocate: bool = False, pre_rope: bool = False,
                progress: bool = False) -> tuple[list, list]:
     """(key codecs, value codecs), one ``TransformCoder`` per layer of ``stats``. Keys are
     coded under the query metric (``query_metric``), values under the output projection's
@@ -138,19 +159,25 @@ def fit_layers(stats: list[dict], key_bits: float, value_bits: float, outliers: 
     ``allocate``, the rates are spread across layers by each layer's measured
     "sensitivity" (``allocation.layer_sensitivity``, stored in ``stats``) at the same mean
     (``allocation.allocate_layers``). The key coders record the statistics' "positions"
-    (``TransformCoder.positions``: caches warn past them)."""
+    (``TransformCoder.positions``: caches warn past them). With ``pre_rope`` the key coders
+    are fitted on the keys with RoPE undone ("k_pre", under "metric_pre": ``capture_statistics(…,
+    pre_rope=True)``), for a ``prerope.PreRopeCache``; such keys have no position, so the
+    coders record none."""
     from ..codecs.transform import TransformCoder
     if value_metric and any(s.get("value_metric") is None for s in stats):
         raise ValueError("value_metric=True needs statistics with a value metric (a model with o_proj; "
                          "capture_statistics records it)")
+    if pre_rope and any("k_pre" not in s for s in stats):
+        raise ValueError("pre_rope=True needs statistics captured with pre_rope=True (keys with RoPE undone)")
     floor = 1.0 + 24 * outliers / stats[0]["k"].shape[-1] if stats else 1.0   # ≥ 1 payload bit per coordinate
     key_bits, value_bits = (_per_layer(b, stats, allocate, floor) for b in (key_bits, value_bits))
     keys, values = [], []
     for s, kb, vb in progress_bar(zip(stats, key_bits, value_bits), len(stats), "fit", progress):
-        metric = s["metric"] if query_metric and transform == "klt" else None
+        k, m, at = (s["k_pre"], s["metric_pre"], None) if pre_rope else (s["k"], s["metric"], s.get("positions"))
+        metric = m if query_metric and transform == "klt" else None
         vmetric = s["value_metric"] if value_metric and transform == "klt" else None
-        keys.append(TransformCoder.calibrate(s["k"], kb, metric=metric, transform=transform,
-                                             outliers=outliers, uniform=uniform, positions=s.get("positions")))
+        keys.append(TransformCoder.calibrate(k, kb, metric=metric, transform=transform,
+                                             outliers=outliers, uniform=uniform, positions=at))
         values.append(TransformCoder.calibrate(s["v"], vb, metric=vmetric, transform=transform,
                                                outliers=outliers, uniform=uniform))
     return keys, values

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["context_length", "layer_rope", "move", "spread", "valid_positions"]
+__all__ = ["context_length", "layer_rope", "move", "spread", "unrope", "valid_positions"]
 
 _CHUNK = 4096                     # vectors moved per call: bounded memory for long captures
 
@@ -89,3 +89,17 @@ def spread(parts: list[dict], ropes: list, start: int, context: int, rng: np.ran
     for p, rope in zip(parts, ropes):
         p["k"] = move(p["k"], shift, rope)
         p["q"] = move(p["q"], shift, rope)
+
+
+def unrope(parts: list[dict], ropes: list, start: int, context: int, rng: np.random.Generator) -> None:
+    """In place: add "k_pre" and "q_pre" (H, N, D) to every layer in ``parts`` (one window's
+    capture, token n at position ``start`` + n): the keys moved to position 0 (RoPE undone:
+    what a cache coding keys before RoPE codes), the queries to positions drawn uniformly from
+    [0, ``context``), one draw per token shared by every layer — the distance at which a
+    query reads a key before RoPE, q_s·R_t e = (R_{s−t} q)·e."""
+    n = parts[0]["k"].shape[1]
+    at = start + np.arange(n)
+    to = rng.integers(0, context, size=n)
+    for p, rope in zip(parts, ropes):
+        p["k_pre"] = move(p["k"], -at, rope)
+        p["q_pre"] = move(p["q"], to - at, rope)

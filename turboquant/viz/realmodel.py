@@ -18,7 +18,7 @@ FAMILY_ORDER = (
     "budget (centered keys + sink)", "calibrated transform coding", "calibrated transform coding (ablation)",
     "calibrated transform coding (levers)", "centered", "mlx-lm affine", "outlier split", "per-vector uniform",
     "profile (make_prompt_cache(bits=…, profile=True))", "recent window", "rotated affine", "split channels",
-    "budget, keys before RoPE (lever)", "budget, key mean before RoPE (lever)",
+    "budget, keys before RoPE (lever)", "budget, key mean before RoPE (lever)", "KVQuant-style, keys before RoPE",
 )
 
 
@@ -138,13 +138,19 @@ def plot_window_increases(result: dict, names, title: str = ""):
     return fig
 
 
-def plot_needle_grid(record: dict):
+def plot_needle_grid(record: dict, names=None):
     """Needle retrieval from a recorded grid (``needles.needle_grid``): one panel per context
-    length, the success rate against the needle's depth for each configuration, with its
+    length, the success rate against the needle's depth for each configuration (``names``,
+    in that order; default every row of the grid), with its
     95 % Wilson interval as an error bar (points shifted sideways a little so they do not
     hide one another). A panel shows the configurations measured at every depth of its
     context (each keeps its colour across panels); contexts with fewer than two such are left out."""
     results = record["results"]
+    if names is not None:
+        missing = [n for n in names if n not in results]
+        if missing or not names:
+            raise ValueError(f"names must be rows of the grid ({sorted(results)}), got {missing or names}")
+        results = {n: results[n] for n in names}
     depths = sorted({c["depth"] for r in results.values() for c in r["cells"]})
 
     def measured(name, context):
