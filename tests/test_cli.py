@@ -134,6 +134,16 @@ def test_bad_arguments_give_a_usage_message_and_status_2(argv, message, capsys):
     assert time.perf_counter() - t < 5                       # refused before loading any model
 
 
+def test_eval_list_keeps_every_name_apart_from_its_family(capsys):
+    """`eval --list`: one column as wide as the longest name, so no name runs into its family."""
+    from turboquant.suite import CONFIGS
+    assert cli.main(["eval", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    col = max(map(len, CONFIGS)) + 1
+    assert [line[:col].rstrip() for line in lines] == list(CONFIGS)
+    assert [line[col:] for line in lines] == [c.family for c in CONFIGS.values()]
+
+
 def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--help"])

@@ -313,19 +313,26 @@ def _needle(args) -> int:
     heads = [k for k in rows[0] if k not in ("configuration", "bits")]
     print(f"needle retrieval (successes, 95 % Wilson interval) at context@depth; haystack: "
           f"{record['setup']['haystack']}")
-    print(f"{'configuration':28s} {'bits':>5} " + " ".join(f"{h:>20}" for h in heads))
+    W = _width([r["configuration"] for r in rows], 28)
+    print(f"{'configuration':{W}s} {'bits':>5} " + " ".join(f"{h:>20}" for h in heads))
     for r in rows:
-        print(f"{r['configuration']:28s} {r['bits']:>5.3g} " + " ".join(f"{r.get(h, '—'):>20}" for h in heads))
+        print(f"{r['configuration']:{W}s} {r['bits']:>5.3g} " + " ".join(f"{r.get(h, '—'):>20}" for h in heads))
     if args.out:
         print(f"wrote {args.out}")
     return 0
 
 
+def _width(names, least: int) -> int:
+    """A table's first column: ``least`` characters, or the longest of ``names``."""
+    return max([least, *map(len, names)])
+
+
 def _eval(args) -> int:
     from .suite import CONFIGS, evaluate, frontier_rows
     if args.list:
+        w = _width(CONFIGS, 32)
         for name, c in CONFIGS.items():
-            print(f"{name:32s} {c.family}")
+            print(f"{name:{w}s} {c.family}")
         return 0
     names = _config_names(args)
     if args.tokens < args.window:
@@ -376,23 +383,24 @@ def _eval(args) -> int:
     else:
         result = evaluate_domains(model, tok, names, corpora, **kw)
         runs = result["domains"]
+    W = _width(names, 32)
     for corpus, run in runs.items():
         windows = run["results"]["fp32"]["per_window"]["n"]
         print(f"{corpus}: {len(windows)} windows of {args.window} tokens; 95 % intervals: paired block "
               f"bootstrap over windows" + (f", {args.seeds} rotation seeds where a configuration draws one"
                                           if args.seeds > 1 else ""))
-        print(f"{'configuration':32s} {'bits':>6} {'ppl':>9} {'Δppl %':>8}  {'95 % interval':>18}")
+        print(f"{'configuration':{W}s} {'bits':>6} {'ppl':>9} {'Δppl %':>8}  {'95 % interval':>18}")
         for name, _, bits, ppl, inc in frontier_rows(run):
             i = run["results"][name]["intervals"]["ppl_increase"]
-            print(f"{name:32s} {bits:>6.3g} {ppl:>9.3f} {inc:>+8.2f}  [{i['lo']:>+7.2f}, {i['hi']:>+7.2f}]")
+            print(f"{name:{W}s} {bits:>6.3g} {ppl:>9.3f} {inc:>+8.2f}  [{i['lo']:>+7.2f}, {i['hi']:>+7.2f}]")
         needles = {n: r["needle_cells"] for n, r in run["results"].items() if "needle_cells" in r}
         if needles:
             cells = next(iter(needles.values()))
             heads = [f"{c['context']}@{c['depth']:.0%}" for c in cells]
             print(f"needle retrieval (successes of {cells[0]['n']}, 95 % Wilson interval) at context@depth:")
-            print(f"{'configuration':32s} " + " ".join(f"{h:>17}" for h in heads))
+            print(f"{'configuration':{W}s} " + " ".join(f"{h:>17}" for h in heads))
             for name, cs in needles.items():
-                print(f"{name:32s} " + " ".join(f"{c['ok']:>3d} [{c['lo']:.2f}, {c['hi']:.2f}]" for c in cs))
+                print(f"{name:{W}s} " + " ".join(f"{c['ok']:>3d} [{c['lo']:.2f}, {c['hi']:.2f}]" for c in cs))
         if args.diff:
             d = diff(run, *args.diff)
             run["diff"] = d
@@ -405,7 +413,7 @@ def _eval(args) -> int:
             if name == "fp32":
                 continue
             w = worst_domain(result, name)
-            print(f"{name:32s} {w['corpus']:>10} {w['value']:>+8.2f}  [{w['lo']:>+7.2f}, {w['hi']:>+7.2f}]")
+            print(f"{name:{W}s} {w['corpus']:>10} {w['value']:>+8.2f}  [{w['lo']:>+7.2f}, {w['hi']:>+7.2f}]")
     if args.update:
         from .suite import update_run
         result = update_run(recorded, result)
