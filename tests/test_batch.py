@@ -15,7 +15,7 @@ from turboquant.batch import BatchCodesCache, batch_drift
 from turboquant.cache import TurboQuantKVCache, TurboQuantRotatingKVCache
 from turboquant.codecs.spec import codec_pair
 from turboquant.models import load
-from turboquant.prerope import TurnedMeanCache, rope_of, turned_mean
+from turboquant.prerope import PreRopeCache, TurnedMeanCache, pre_rope, rope_of, turned_mean
 
 PROMPTS = ["The capital of France is",
            'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -96,14 +96,17 @@ def test_attention_from_codes_on_a_batch(smol, gemma):
                     codes=True)
 
 
-def test_turned_mean_caches_batched_equal_alone(smol):
-    # each sequence learns its own key mean before RoPE (the shortest prompt is still learning it
-    # when decoding starts) and turns it with its own positions; decoded and from codes
+@pytest.mark.parametrize("wrap, kind", [(turned_mean, TurnedMeanCache), (pre_rope, PreRopeCache)])
+def test_caches_around_rope_batched_equal_alone(smol, wrap, kind):
+    # turned_mean: each sequence learns its own key mean before RoPE (the shortest prompt is still
+    # learning it when decoding starts) and turns it with its own positions; pre_rope (a profile
+    # that codes keys before RoPE makes these): each row undoes RoPE at its own positions.
+    # Decoded and from codes.
     model, tok = smol
     ids = [tok.encode(p) for p in PROMPTS]
-    make = lambda: turned_mean(model, make_prompt_cache(model, bits=3.25))      # noqa: E731
+    make = lambda: wrap(model, make_prompt_cache(model, bits=3.25))             # noqa: E731
     r = check_equal(model, tok, ids, make)
-    assert all(isinstance(c, TurnedMeanCache) for c in r.caches[0])
+    assert all(isinstance(c, kind) for c in r.caches[0])
     assert [c[0].offset for c in r.caches] == [len(p) + N_NEW for p in ids]
     check_equal(model, tok, ids, make, codes=True)
 
@@ -182,7 +185,7 @@ def _rows_alone_and_batched(make_layer, lengths, N, steps, seed=0):
     return batch, alone, worst
 
 
-@pytest.mark.parametrize("kind", ["budget", "recent", "ring", "turned"])
+@pytest.mark.parametrize("kind", ["budget", "recent", "ring", "turned", "pre"])
 def test_rows_receive_exactly_their_tokens(smol, kind):
     # the cache's own guarantee, on any machine: given the same keys and values, a sequence in a
     # batch holds the same codes and reads back the same keys/values as alone (padding stripped,
@@ -197,7 +200,8 @@ def test_rows_receive_exactly_their_tokens(smol, kind):
         return TurnedMeanCache(layer(bits=4.25), rope_of(model)[0])
     make = {"budget": lambda: layer(bits=4.25),
             "recent": lambda: layer(key_codec=None, fp_window=4, sink_tokens=2),
-            "ring": lambda: TurboQuantRotatingKVCache(8, kc, vc), "turned": turned}[kind]
+            "ring": lambda: TurboQuantRotatingKVCache(8, kc, vc), "turned": turned,
+            "pre": lambda: PreRopeCache(layer(bits=4.25), rope_of(model)[0])}[kind]
     batch, alone, worst = _rows_alone_and_batched(make, [5, 23, 14], N=6, steps=12)
     assert worst == 0.0
     for row, a in zip(batch.rows, alone):
@@ -205,7 +209,7 @@ def test_rows_receive_exactly_their_tokens(smol, kind):
         if kind == "turned":
             assert mx.array_equal(row.mean, a.mean).item()
         for x, y in ((row.codes()[0], a.codes()[0]), (row.codes()[1], a.codes()[1])):
-            assert np.array_equal(np.array(x.dequantize()), np.array(y.dequantize()))
+            assert np.array_equal(*(np.array(c.dequantize() if hasattr(c, "dequantize") else c) for c in (x, y)))
 
 
 def test_merge_and_extract_copy_codes_bit_for_bit(smol):

@@ -1,6 +1,8 @@
 """Cache files (``turboquant.cache_files``): any file name, every crafted or damaged file
 refused naming the field, another model refused, mlx-lm-saved TurboQuant caches, a cache
 trimmed to zero, models with fewer caches than layers."""
+import json
+
 import mlx.core as mx
 import pytest
 
@@ -192,19 +194,26 @@ def _turned(llama):
     return tq.turned_mean(llama, tq.make_prompt_cache(llama, key_codec=k, value_codec=v, sink_tokens=1))
 
 
+def _filled_saved_loaded(path, llama, cache, n, kind, version):
+    """``cache`` after ``n`` tokens, saved to ``path`` and loaded: the same wrappers and offsets,
+    in a file of format ``version``."""
+    if n:
+        run_in_chunks(llama, toks(n), cache, [n])
+    tq.save_prompt_cache(path, cache, model=llama)
+    loaded = tq.load_prompt_cache(path, model=llama)
+    assert all(isinstance(c, kind) for c in loaded) and [c.offset for c in loaded] == [n] * len(cache)
+    assert json.loads(mx.load(str(path), format="safetensors", return_metadata=True)[1]["turboquant"])["version"] \
+        == version
+    return loaded
+
+
 @pytest.mark.parametrize("n", [0, 10, 30])        # empty, still learning the mean (< 1 + 16 tokens), learned
 def test_turned_mean_layers_save_and_load(tmp_path, llama, n):
     from turboquant.attention import codes_attention
     from turboquant.prerope import TurnedMeanCache
     cache = _turned(llama)
-    if n:
-        run_in_chunks(llama, toks(n), cache, [n])
-    tq.save_prompt_cache(tmp_path / "t.bin", cache, model=llama)
-    loaded = tq.load_prompt_cache(tmp_path / "t.bin", model=llama)
-    assert all(isinstance(c, TurnedMeanCache) for c in loaded) and [c.offset for c in loaded] == [n, n]
+    loaded = _filled_saved_loaded(tmp_path / "t.bin", llama, cache, n, TurnedMeanCache, 4)
     assert (loaded[0].mean is None) == (n < 17) and loaded[0].rope == cache[0].rope
-    header = mx.load(str(tmp_path / "t.bin"), format="safetensors", return_metadata=True)[1]["turboquant"]
-    assert '"version": 4' in header
     nxt = toks(20, seed=3)                     # continuing: bit for bit the original's, decoded and from codes
     assert mx.array_equal(llama(nxt, cache=cache), llama(nxt, cache=loaded)).item()
     with codes_attention(llama):
@@ -306,11 +315,13 @@ def test_a_file_whose_layers_disagree_is_refused(tmp_path, llama):
         tq.load_prompt_cache(bad)
 
 
-def test_a_turned_mean_cache_saved_by_mlx_lm_is_refused_saying_how_to_save_it(tmp_path, llama):
-    cache = _turned(llama)
+@pytest.mark.parametrize("kind", ["TurnedMeanCache", "PreRopeCache"])
+def test_a_wrapped_cache_saved_by_mlx_lm_is_refused_saying_how_to_save_it(tmp_path, llama, kind):
+    cache = {"TurnedMeanCache": _turned, "PreRopeCache": _before_rope}[kind](llama)
     run_in_chunks(llama, toks(30), cache, [30])
     mlx_cache.save_prompt_cache(str(tmp_path / "m.safetensors"), cache)
-    with pytest.raises(ValueError, match="save such caches with turboquant.save_prompt_cache"):
+    with pytest.raises(ValueError, match=f"a {kind} saved by mlx_lm.save_prompt_cache.*save such caches with "
+                                         "turboquant.save_prompt_cache"):
         tq.load_prompt_cache(tmp_path / "m.safetensors")
 
 
@@ -322,3 +333,37 @@ def test_a_turned_mean_cache_loads_only_for_a_model_with_its_rope(tmp_path, llam
     assert tq.load_prompt_cache(bad)[0].rope.base == 500.0          # without a model: as saved
     with pytest.raises(ValueError, match="layer 0 turns its key mean with .*base=500.0.*the model's RoPE is"):
         tq.load_prompt_cache(bad, model=llama)
+
+
+def _before_rope(llama):
+    from turboquant.prerope import pre_rope
+    return pre_rope(llama, tq.make_prompt_cache(llama, key_codec=lambda d: tq.TurboQuantMSE(d, 3),
+                                                value_codec=lambda d: tq.TurboQuantMSE(d, 3), sink_tokens=1))
+
+
+@pytest.mark.parametrize("n", [0, 30])
+def test_layers_coding_keys_before_rope_save_and_load(tmp_path, llama, n):
+    """A ``PreRopeCache`` list (a profile that codes keys before RoPE makes one) is saved with
+    the RoPE it undoes (format version 5 only then), loads as the same wrappers, continues bit
+    for bit, and refuses a model with another RoPE or a crafted RoPE, naming the field."""
+    from turboquant.prerope import PreRopeCache
+    cache = _before_rope(llama)
+    loaded = _filled_saved_loaded(tmp_path / "p.bin", llama, cache, n, PreRopeCache, 5)
+    nxt = toks(12, seed=3)
+    assert mx.array_equal(llama(nxt, cache=cache), llama(nxt, cache=loaded)).item()
+
+    def rope_set(key, value):
+        def edit(h):
+            h["layers"][0]["pre_rope"]["rope"][key] = value
+            return h
+        return edit
+    moved = _rewrite(tmp_path / "p.bin", tmp_path / "moved.bin", rope_set("base", 500.0))
+    assert tq.load_prompt_cache(moved)[0].rope.base == 500.0          # without a model: as saved
+    with pytest.raises(ValueError, match="layer 0 undid RoPE on its keys with .*base=500.0.*the model's RoPE is"):
+        tq.load_prompt_cache(moved, model=llama)
+    for edit, match in ((rope_set("dims", 3), "pre_rope rope .* is not a RoPE"),
+                        (lambda h: (h["layers"][0]["pre_rope"].update(x=1), h)[1], "must have rope only"),
+                        (lambda h: {**h, "version": 4}, "'pre_rope' needs format version 5"),
+                        (lambda h: (h["layers"][0].update(turned_mean={}), h)[1], "says both")):
+        with pytest.raises(ValueError, match=match):
+            tq.load_prompt_cache(_rewrite(tmp_path / "p.bin", tmp_path / "bad.bin", edit))

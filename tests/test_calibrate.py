@@ -109,8 +109,8 @@ def test_a_candidate_that_cannot_code_the_heldout_text_is_refused_not_fatal(mode
     from turboquant.calibration import search
     from turboquant.codecs.transform import OutOfRangeError
     fitted, real = [], evaluation.perplexity
-    monkeypatch.setattr(search, "fit_layers", lambda stats, kb, vb, outliers: fitted.append(outliers)
-                        or cal.fit_layers(stats, kb, vb, outliers))
+    monkeypatch.setattr(search, "fit_layers", lambda stats, kb, vb, outliers, **kw: fitted.append(outliers)
+                        or cal.fit_layers(stats, kb, vb, outliers, **kw))
 
     def perplexity(model, ids, factory, **kw):
         if factory is not None and fitted[-1] == 0:
@@ -122,7 +122,7 @@ def test_a_candidate_that_cannot_code_the_heldout_text_is_refused_not_fatal(mode
     (entry,) = prof["budgets"]
     refused = [c for c in entry["candidates"] if "refused" in c]
     assert [c["choice"]["outliers"] for c in refused] == [0] and "beyond 16x" in refused[0]["refused"]
-    assert entry["choice"]["outliers"] == 1 and len(entry["candidates"]) == len(cal.candidates(4.25, 16))
+    assert entry["choice"]["outliers"] == 1 and len(entry["candidates"]) == len(cal.candidates(4.25, 16, pre_rope=True))
     assert all("vs_default" in c for c in entry["candidates"] if "refused" not in c)
     with pytest.raises(ValueError, match="the default candidate .* cannot be calibrated"):
         cal.choose([{"choice": {}, "refused": "beyond"}, {"per_window": [1.0], "ppl": 1.0}], [1.0], [1])
@@ -555,3 +555,54 @@ def test_statistics_before_rope_are_what_a_pre_rope_cache_codes(model):
     exact, coded = model(x), model(x, cache=cache)
     cos = (exact * coded).sum(-1) / (mx.linalg.norm(exact, axis=-1) * mx.linalg.norm(coded, axis=-1))
     assert float(cos.min()) > 0.99
+
+
+def test_a_profile_may_code_keys_before_rope_and_its_caches_say_so(model, profile, tmp_path, monkeypatch):
+    """The search offers the default with keys before RoPE where the model allows it (not on
+    a model with sliding-window layers; pre_rope=True there is refused); a profile entry that
+    takes it makes ``make_prompt_cache`` wrap every layer in a ``PreRopeCache`` whose key
+    coders were fitted before RoPE — the same coders ``fit_layers(pre_rope=True)`` gives —
+    and the cache saves, loads and continues bit for bit."""
+    from turboquant.calibration.fitting import Choice
+    from turboquant.prerope import PreRopeCache
+    monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
+    for e in profile["budgets"]:                           # offered, scored, recorded with the field
+        pre = [c for c in e["candidates"] if c["choice"].get("pre_rope")]
+        assert len(pre) == 1 and "vs_default" in pre[0]
+    assert Choice(4.25, 4.25).fields() == {"key_bits": 4.25, "value_bits": 4.25, "outliers": 1, "sink_tokens": 1}
+    forced = json.loads(json.dumps(profile))               # an entry that took it (the rule decides on real text)
+    entry = forced["budgets"][-1]
+    entry["choice"] = {**entry["choice"], "pre_rope": True}
+    entry["ppl"] = forced["budgets"][0]["ppl"] - 1          # the best within 4.25 bits (profile_entry)
+    path = cal.save_profile(forced, tmp_path / "pre.json")
+    cache = tq.make_prompt_cache(model, bits=4.25, profile=str(path))
+    assert all(isinstance(c, PreRopeCache) for c in cache)
+    stats = cal.capture_statistics(model, forced["calibration"]["ids"], bos=forced["calibration"]["bos"],
+                                   positions=forced["calibration"]["positions"], pre_rope=True)
+    c = Choice(**entry["choice"])
+    keys, _ = cal.fit_layers(stats, c.key_bits, c.value_bits, c.outliers, pre_rope=True)
+    assert [k.config() == w.config() for k, w in zip((x.key_codec for x in cache), keys)] == [True, True]
+    x = mx.array([[5, 6, 7, 8, 9, 10]])
+    model(x, cache=cache)
+    tq.save_prompt_cache(tmp_path / "c.bin", cache, model=model)
+    loaded = tq.load_prompt_cache(tmp_path / "c.bin", model=model)
+    assert all(isinstance(c, PreRopeCache) for c in loaded) and loaded[0].rope == cache[0].rope
+    nxt = mx.array([[11, 12]])
+    assert mx.array_equal(model(nxt, cache=cache), model(nxt, cache=loaded)).item()
+    with pytest.raises(ValueError, match="codes keys before RoPE, which a sliding-window cache cannot hold"):
+        tq.make_prompt_cache(model, bits=4.25, profile=str(path), max_kv_size=64)
+    # the 3.25-bit entry stays after RoPE: a plain cache
+    assert not isinstance(tq.make_prompt_cache(model, bits=3.3, profile=str(path))[0], PreRopeCache)
+    bad = json.loads(json.dumps(forced))
+    bad["budgets"][0]["choice"]["pre_rope"] = 1
+    cal.save_profile(bad, tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="malformed budget entry"):
+        cal.load_profile(tmp_path / "bad.json")
+    gemma = tiny_model("gemma3", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1)
+    from turboquant.prerope import pre_rope_refusal
+    assert "sliding-window" in pre_rope_refusal(gemma) and pre_rope_refusal(model) is None
+    with pytest.raises(ValueError, match="pre_rope=True: this model's keys cannot be coded before RoPE"):
+        cal.calibrate(gemma, ByteTokenizer(), [4.25], name="g", text=TEXT, windows=1, heldout=1024,
+                      pre_rope=True, progress=False)
+    with pytest.raises(TypeError, match="pre_rope must be True, False or None"):
+        cal.calibrate(model, ByteTokenizer(), [4.25], name="g", text=TEXT, pre_rope="yes", progress=False)

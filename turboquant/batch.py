@@ -9,7 +9,8 @@ A cache of codes cannot do the same without changing what it holds: its first to
 kept exact (attention sinks), a centered codec learns its mean from the first real tokens
 of *its* sequence, a recent window is exact, a sliding window evicts by position. A padding
 slot would become a "first token". So ``BatchCodesCache`` keeps one ordinary cache per
-sequence (a *row*: a ``TurboQuantKVCache``, ``TurboQuantRotatingKVCache`` or ``TurnedMeanCache`` of batch 1)
+sequence (a *row*: a ``TurboQuantKVCache``, ``TurboQuantRotatingKVCache``, ``TurnedMeanCache`` or
+``PreRopeCache`` of batch 1)
 and gives each row only its real tokens:
 
 * ``merge`` copies the rows' codes (``copy.deepcopy``: arrays copied, codecs rebuilt from
@@ -46,7 +47,7 @@ __all__ = ["BatchCodesCache", "RowsView", "batch_drift"]
 
 # the caches a batch holds, one per sequence (``turboquant.cache``; named, not imported: that
 # module imports this one for ``merge``)
-_ROW_KINDS = ("TurboQuantKVCache", "TurboQuantRotatingKVCache", "TurnedMeanCache")
+_ROW_KINDS = ("TurboQuantKVCache", "TurboQuantRotatingKVCache", "TurnedMeanCache", "PreRopeCache")
 
 
 def batch_drift(model, prompts: Sequence[Sequence[int]]) -> float:
@@ -87,7 +88,8 @@ class BatchCodesCache(CacheBase):
 
     ``rows`` are caches of batch 1, all ``TurboQuantKVCache``, all
     ``TurboQuantRotatingKVCache`` (with the same ``max_size`` and ``keep=0``) or all
-    ``prerope.TurnedMeanCache`` (each row its own key mean, turned with its own positions). The keys and
+    ``prerope.TurnedMeanCache`` (each row its own key mean, turned with its own positions) or all
+    ``prerope.PreRopeCache`` (each row undoes RoPE at its own positions). The keys and
     values given to ``update_and_fetch`` have shape (B, H_kv, N, D), B = len(rows); what it
     returns has shape (B, H_kv, L, D) with L = N + the longest history any row shows
     attention, and ``make_mask(N)`` the matching (B, 1, N, L) boolean mask.

@@ -19,12 +19,15 @@ from .checks import check_out_file
 from .codec_tensors import PREFIX, content_digest, from_tensors, to_tensors
 from .codecs.base import Codec, check_int, from_config
 from .memory import check_layers, describe_model, model_fingerprint, model_geometry
-from .prerope import TurnedMeanCache
+from .prerope import PreRopeCache, TurnedMeanCache
+
+WRAPPERS = (TurnedMeanCache, PreRopeCache)     # a TurboQuant cache inside, a setting beside it
 
 __all__ = ["save_prompt_cache", "load_prompt_cache", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "turboquant-prompt-cache"
-FORMAT_VERSION = 4          # 2 adds a content checksum, 3 codec arrays as tensors, 4 turned-mean layers; all read
+FORMAT_VERSION = 5          # 2 a content checksum, 3 codec arrays as tensors, 4 turned-mean layers, 5 keys before
+                            # RoPE; all read
 
 
 def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None, model=None) -> None:
@@ -34,22 +37,25 @@ def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None, model=
     ``model``, its ``model_fingerprint`` is saved too, and ``load_prompt_cache(path,
     model=…)`` refuses another model. Load it with ``turboquant.load_prompt_cache``
     (mlx-lm's loader does not know these classes)."""
-    if not isinstance(cache, (list, tuple)) or not all(isinstance(c, (TurboQuantKVCache, TurnedMeanCache))
+    if not isinstance(cache, (list, tuple)) or not all(isinstance(c, (TurboQuantKVCache, *WRAPPERS))
                                                        for c in cache):
         kinds = sorted({type(c).__name__ for c in cache}) if isinstance(cache, (list, tuple)) else type(cache).__name__
         raise TypeError("save_prompt_cache saves a list of TurboQuant caches (TurboQuantKVCache, "
-                        f"TurboQuantRotatingKVCache, TurnedMeanCache) only, got {kinds}; use mlx_lm's for others")
+                        f"TurboQuantRotatingKVCache, TurnedMeanCache, PreRopeCache) only, got {kinds}; use mlx_lm's "
+                        "for others")
     if metadata is not None and (not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise TypeError("metadata must map str to str")
     _check_offsets(cache, "save_prompt_cache: ")          # a file that would not load is not written
     arrays, layers, codec_arrays = {}, [], {}
     for i, c in enumerate(cache):
-        turned = None
+        turned = before = None
         if isinstance(c, TurnedMeanCache):            # the wrapped cache, and the mean (or exact tokens) beside it
             turned, extra = c.file_state()
             arrays.update({f"{i}.t.{name}": a for name, a in extra.items()})
             c = c.inner
+        elif isinstance(c, PreRopeCache):             # the wrapped cache (keys before RoPE), and the RoPE
+            before, c = c.file_state(), c.inner
         k, v, rec = c.state[:3]
         for group, fields in (("k", k), ("v", v), ("r", rec)):
             for name, a in fields.items():
@@ -58,9 +64,11 @@ def save_prompt_cache(path, cache: list, metadata: Optional[dict] = None, model=
         layers.append(to_tensors(c.meta_state, codec_arrays))   # fitted coders' arrays: tensors, once each
         if turned is not None:
             layers[-1]["turned_mean"] = turned
+        if before is not None:
+            layers[-1]["pre_rope"] = before
     arrays.update(codec_arrays)
-    # version 4 only where a turned-mean layer needs it: other files stay readable by turboquant that reads 3
-    version = FORMAT_VERSION if any("turned_mean" in m for m in layers) else 3
+    # a newer version only where a layer needs it: other files stay readable by turboquant that reads 3 (or 4)
+    version = 5 if any("pre_rope" in m for m in layers) else 4 if any("turned_mean" in m for m in layers) else 3
     head = {"format": FORMAT, "version": version, "layers": layers, "user": metadata or {}}
     if model is not None:
         head["model"] = model_fingerprint(model)
@@ -109,7 +117,7 @@ def load_prompt_cache(path, return_metadata: bool = False, model=None):
 def _check_offsets(cache, where: str = "") -> None:
     """Every layer of a prompt cache sees every token, so its TurboQuant layers hold the same
     offset; a list whose layers disagree (a forward pass stopped part-way) is refused."""
-    held = [(i, c.offset) for i, c in enumerate(cache) if isinstance(c, (TurboQuantKVCache, TurnedMeanCache))]
+    held = [(i, c.offset) for i, c in enumerate(cache) if isinstance(c, (TurboQuantKVCache, *WRAPPERS))]
     odd = [(i, o) for i, o in held if o != held[0][1]]
     if odd:
         raise ValueError(f"{where}layer {odd[0][0]} has offset {odd[0][1]}, layer {held[0][0]} {held[0][1]}: the "
@@ -124,14 +132,16 @@ def _check_model(path, cache, model) -> None:
         raise ValueError(f"{path}: {e}") from None
     ropes = None
     for i, c in enumerate(cache):
-        if isinstance(c, TurnedMeanCache):            # its mean turns with the RoPE it was saved with
+        if isinstance(c, WRAPPERS):                   # its mean turns (its keys turn back) with the RoPE saved
             from .prerope import rope_of
             ropes = rope_of(model) if ropes is None else ropes
             if c.rope != ropes[i]:
-                raise ValueError(f"{path}: layer {i} turns its key mean with {c.rope}, the model's RoPE is {ropes[i]}")
-            H = None if c.empty() else c.codes()[0].shape[1]   # also the exact tokens held before the mean
-            if H is not None and H != kv:
-                raise ValueError(f"{path}: layer {i} holds {H} kv heads, the model has {kv}")
+                what = "turns its key mean" if isinstance(c, TurnedMeanCache) else "undid RoPE on its keys"
+                raise ValueError(f"{path}: layer {i} {what} with {c.rope}, the model's RoPE is {ropes[i]}")
+            if isinstance(c, TurnedMeanCache):
+                H = None if c.empty() else c.codes()[0].shape[1]   # also the exact tokens held before the mean
+                if H is not None and H != kv:
+                    raise ValueError(f"{path}: layer {i} holds {H} kv heads, the model has {kv}")
             c = c.inner
         if isinstance(c, TurboQuantKVCache) and c.key_codes is not None:
             B, H = next(iter(c.key_codes.fields.values())).shape[:2]
@@ -190,9 +200,16 @@ def _load_turboquant_layout(path, arrays, meta):
     for i, (m, g) in enumerate(zip(layers, groups)):
         try:
             turned = m.pop("turned_mean", None) if isinstance(m, dict) else None
+            before = m.pop("pre_rope", None) if isinstance(m, dict) else None
             if turned is not None and version < 4:
                 raise ValueError(f"setting 'turned_mean' needs format version 4, the file says {version}")
+            if before is not None and version < 5:
+                raise ValueError(f"setting 'pre_rope' needs format version 5, the file says {version}")
+            if turned is not None and before is not None:
+                raise ValueError("a layer is either turned_mean or pre_rope, this one says both")
             layer = _build_layer(m, (g["k"], g["v"], g["r"]))
+            if before is not None:
+                layer = PreRopeCache.from_file_state(layer, before)
             if turned is not None:
                 layer = TurnedMeanCache.from_file_state(layer, turned, g["t"])
             elif g.get("t"):
@@ -227,9 +244,9 @@ def _load_mlx_lm_layout(path, arrays, meta):
                     raise ValueError("its state has no meta_state (saved by an older turboquant?)")
                 fields = tuple(dict(p) if isinstance(p, dict) else {} for p in state[:3])
                 cache.append(_build_layer(json.loads(state[3]), fields))
-            elif name == "TurnedMeanCache":
-                raise ValueError("a TurnedMeanCache saved by mlx_lm.save_prompt_cache, which keeps neither its "
-                                 "mean's settings nor its codecs' configurations; save such caches with "
+            elif name in ("TurnedMeanCache", "PreRopeCache"):
+                raise ValueError(f"a {name} saved by mlx_lm.save_prompt_cache, which keeps neither its RoPE "
+                                 "settings nor its codecs' configurations; save such caches with "
                                  "turboquant.save_prompt_cache")
             elif hasattr(mlx_cache, name):
                 cache.append(getattr(mlx_cache, name).from_state(state))

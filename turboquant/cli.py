@@ -220,11 +220,13 @@ def _calibrate(args) -> int:
     prof = calibrate(model, tok, args.budgets, name=name, corpus=args.corpus if text is None else str(args.text),
                      text=text, windows=args.windows, heldout=args.heldout,
                      positions="context" if args.positions is None else args.positions or None,
-                     progress=not args.quiet)
-    print(f"{'budget':>6} {'keys':>5} {'values':>6} {'outliers':>8} {'bits':>6} {'Δppl % (held-out calibration text)':>36}")
+                     pre_rope={"auto": None, "yes": True, "no": False}[args.pre_rope], progress=not args.quiet)
+    print(f"{'budget':>6} {'keys':>5} {'values':>6} {'outliers':>8} {'keys coded':>11} {'bits':>6} "
+          f"{'Δppl % (held-out calibration text)':>36}")
     for e in prof["budgets"]:
         c = e["choice"]
-        print(f"{e['budget']:>6g} {c['key_bits']:>5g} {c['value_bits']:>6g} {c['outliers']:>8d} {e['bits']:>6.3f} "
+        print(f"{e['budget']:>6g} {c['key_bits']:>5g} {c['value_bits']:>6g} {c['outliers']:>8d} "
+              f"{'before RoPE' if c.get('pre_rope') else 'after RoPE':>11} {e['bits']:>6.3f} "
               f"{100 * e['ppl_increase']:>+36.2f}")
     from .calibration import fitted_positions
     print(f"fitted for positions below {fitted_positions(prof):,}"
@@ -672,6 +674,9 @@ def main(argv=None) -> int:
                    help="fit keys as if spread over this many positions (default: the model's context length), "
                         "so the profile holds at every position below it; 0: only where the 512-token windows "
                         "put them (the profile then holds within one window)")
+    c.add_argument("--pre-rope", choices=("auto", "yes", "no"), default="auto",
+                   help="offer candidates with keys coded before RoPE (auto: where the model allows it, i.e. no "
+                        "sliding-window layers and mlx's plain RoPE); one is taken only if better beyond its interval")
     c.add_argument("--name", default=None, help="the profile's name (default: --model)")
     c.add_argument("--out", default=None, help="where to write the profile (default: $TURBOQUANT_CACHE/profiles/NAME.json)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -25,8 +25,9 @@ attention runs as for an exact cache (``mlx_lm.generate`` and ``codes_attention`
 that cost; Chapter 10 measures it). It supports plain (global) layers; sliding-window layers
 (``TurboQuantRotatingKVCache``), whose slots do not hold positions 0…T−1 in order, are
 refused, as are RoPE variants other than mlx's ``nn.RoPE`` (Llama-3, YaRN, dynamic NTK
-scaling; linear scaling is an ``nn.RoPE`` and works). Not supported either: saving
-(``save_prompt_cache`` refuses it) and batching (no ``merge``).
+scaling; linear scaling is an ``nn.RoPE`` and works). ``save_prompt_cache`` keeps it (the
+codes, keys before RoPE, and the RoPE it undoes); a batch (``batch.BatchCodesCache``) gives
+each sequence its own row, which undoes RoPE at its own positions.
 
 ``TurnedMeanCache`` keeps what the lever gains and drops that cost. RoPE is orthogonal, so
 ‖k_t − μ‖ = ‖R_t k_t − R_t μ‖: coding the post-RoPE residual R_t k_t − R_t μ, with μ the key
@@ -50,7 +51,7 @@ from .cache_base import CacheBase, codes_mode
 from .checks import check_int
 from .codes import CodesView
 
-__all__ = ["Rope", "rope_of", "PreRopeCache", "pre_rope", "TurnedMeanCache", "TurnedCodesView", "turned_mean",
+__all__ = ["Rope", "rope_of", "PreRopeCache", "pre_rope", "pre_rope_refusal", "TurnedMeanCache", "TurnedCodesView", "turned_mean",
            "angle_table", "centering_residual"]
 
 
@@ -63,6 +64,26 @@ class Rope:
     traditional: bool
     base: float
     scale: float
+
+    def settings(self) -> dict:
+        """The fields a cache file records (``from_settings`` reads them back)."""
+        return {"dims": self.dims, "traditional": self.traditional, "base": self.base, "scale": self.scale}
+
+    @classmethod
+    def from_settings(cls, r, head_dim: int, where: str) -> "Rope":
+        """``settings`` read back from a file, each field checked (``ValueError`` naming
+        ``where`` and the bad field): even dims ≤ ``head_dim``, a positive base, a non-zero scale."""
+        if not isinstance(r, dict) or set(r) != {"dims", "traditional", "base", "scale"}:
+            raise ValueError(f"{where} 'rope' must have dims, traditional, base, scale; got {r!r}")
+        dims = check_int(f"{where} rope dims", r["dims"], 2, head_dim)
+
+        def num(x) -> bool:                         # a finite number, not a bool
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) < float("inf")
+        if dims % 2 or not isinstance(r["traditional"], bool) or not (num(r["base"]) and r["base"] > 0) \
+                or not (num(r["scale"]) and r["scale"] != 0):
+            raise ValueError(f"{where} rope {r!r} is not a RoPE (even dims ≤ {head_dim}, a positive base, a "
+                             "non-zero scale)")
+        return cls(dims, r["traditional"], float(r["base"]), float(r["scale"]))
 
     def apply(self, x: mx.array, offset: int, inverse: bool = False) -> mx.array:
         """R_t x (``inverse``: R_t⁻¹ x = R_{−t} x) for x of shape (…, T, D), t = offset + row."""
@@ -106,8 +127,8 @@ def _refuse_wrapping(name: str, inner, rope) -> None:
 class PreRopeCache(CacheBase):
     """``PreRopeCache(inner, rope)``: ``inner`` (a plain ``TurboQuantKVCache``, empty) codes
     the keys with ``rope`` undone; ``update_and_fetch`` returns keys with RoPE applied again.
-    Everything else (offset, bytes, masks, trimming, the codecs) is ``inner``'s. Not saved by
-    ``save_prompt_cache`` (it refuses anything but TurboQuant caches)."""
+    Everything else (offset, bytes, masks, trimming, the codecs) is ``inner``'s. Saved by
+    ``save_prompt_cache`` (``file_state``); a loaded one refuses a model whose RoPE differs."""
 
     def __init__(self, inner: TurboQuantKVCache, rope: Rope):
         _refuse_wrapping("PreRopeCache", inner, rope)
@@ -153,8 +174,55 @@ class PreRopeCache(CacheBase):
     def make_mask(self, *args, **kwargs):
         return self.inner.make_mask(*args, **kwargs)
 
+    def codes(self):
+        """The held (keys, values) in temporal order as attention reads them, decoded — keys with
+        RoPE applied again (these codes cannot be read without decoding); (B, H, T, D) each."""
+        k, v = self.inner.codes()
+        return self.rope.apply(k.dequantize(), 0), v.dequantize()
+
+    # ----------------------------------------------------------------- batching
+    def merge(self, caches):
+        """One batch cache (``turboquant.batch.BatchCodesCache``) from one cache of this kind
+        per sequence, as mlx-lm's batching calls it: each row undoes RoPE at its own positions
+        (a row holds only its sequence's real tokens), nothing re-encoded."""
+        from .batch import BatchCodesCache
+        return BatchCodesCache.merge(caches)
+
+    batch_size = property(lambda self: self.inner.batch_size)
+
+    def file_state(self) -> dict:
+        """The setting ``save_prompt_cache`` writes beside the wrapped cache: the RoPE it undoes
+        (the codes themselves are the inner cache's, keys before RoPE)."""
+        return {"rope": self.rope.settings()}
+
+    @classmethod
+    def from_file_state(cls, inner: TurboQuantKVCache, settings) -> "PreRopeCache":
+        """The wrapper ``file_state`` describes around ``inner`` (a plain cache, possibly holding
+        tokens: its codes are keys before RoPE); ``ValueError`` naming what is wrong."""
+        if not isinstance(settings, dict) or set(settings) != {"rope"}:
+            raise ValueError(f"setting 'pre_rope' must have rope only; got {settings!r}")
+        if isinstance(inner, TurboQuantRotatingKVCache) or not isinstance(inner, TurboQuantKVCache):
+            raise ValueError(f"pre_rope wraps a plain cache, this layer is {type(inner).__name__}")
+        new = cls.__new__(cls)
+        new.inner, new.rope = inner, Rope.from_settings(settings["rope"], inner.key_codec.dim, "pre_rope")
+        return new
+
     def __repr__(self) -> str:
         return f"PreRopeCache({self.inner!r}, {self.rope})"
+
+
+def pre_rope_refusal(model) -> "str | None":
+    """Why ``model``'s keys cannot be coded before RoPE (a RoPE variant other than ``nn.RoPE``,
+    sliding-window layers), or None when every layer's can."""
+    from mlx_lm.models import cache as mlx_cache
+    try:
+        rope_of(model)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    make = getattr(model, "make_cache", None)
+    if make is not None and any(isinstance(c, mlx_cache.RotatingKVCache) for c in make()):
+        return "the model has sliding-window layers, whose ring of slots does not hold positions in order"
+    return None
 
 
 def pre_rope(model, cache: list) -> list:
@@ -451,8 +519,7 @@ class TurnedMeanCache(CacheBase):
         """(settings, arrays) that ``save_prompt_cache`` writes beside the wrapped cache's: the
         RoPE, the fit tokens, the keys' dtype; the mean μ (``mean``) once learned, else the
         exact tokens held (``wk``, ``wv``; none while empty)."""
-        settings = {"rope": {"dims": self.rope.dims, "traditional": self.rope.traditional, "base": self.rope.base,
-                             "scale": self.rope.scale},
+        settings = {"rope": self.rope.settings(),
                     "fit_from": self.fit_from, "fit_tokens": self.fit_tokens, "dtype": str(self.dtype).split(".")[-1]}
         if self.mean is not None:
             return settings, {"mean": self.mean}
@@ -465,17 +532,8 @@ class TurnedMeanCache(CacheBase):
         it (``ValueError`` naming what is wrong)."""
         if not isinstance(settings, dict) or set(settings) != {"rope", "fit_from", "fit_tokens", "dtype"}:
             raise ValueError(f"setting 'turned_mean' must have rope, fit_from, fit_tokens, dtype; got {settings!r}")
-        r = settings["rope"]
-        if not isinstance(r, dict) or set(r) != {"dims", "traditional", "base", "scale"}:
-            raise ValueError(f"turned_mean 'rope' must have dims, traditional, base, scale; got {r!r}")
         D = inner.key_codec.dim
-        dims = check_int("turned_mean rope dims", r["dims"], 2, D)
-        def num(x) -> bool:                         # a finite number, not a bool
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) < float("inf")
-        if dims % 2 or not isinstance(r["traditional"], bool) or not (num(r["base"]) and r["base"] > 0) \
-                or not (num(r["scale"]) and r["scale"] != 0):
-            raise ValueError(f"turned_mean rope {r!r} is not a RoPE (even dims ≤ {D}, a positive base, a "
-                             "non-zero scale)")
+        rope = Rope.from_settings(settings["rope"], D, "turned_mean")
         if isinstance(inner, TurboQuantRotatingKVCache) or not isinstance(inner, TurboQuantKVCache):
             raise ValueError(f"turned_mean wraps a plain cache, this layer is {type(inner).__name__}")
         from .codecs import Centered
@@ -513,7 +571,7 @@ class TurnedMeanCache(CacheBase):
                 raise ValueError(f"turned_mean exact tokens are {tuple(wk.shape)} {wk.dtype} and {tuple(wv.shape)} "
                                  f"{wv.dtype}; expected two (B, H, n, {D}) {dtype} arrays, 0 < n < {S + F}")
         new = cls.__new__(cls)
-        new.inner, new.rope = inner, Rope(dims, r["traditional"], float(r["base"]), float(r["scale"]))
+        new.inner, new.rope = inner, rope
         new.fit_from, new.fit_tokens, new.mean, new._warm_k, new._warm_v = S, F, mean, wk, wv
         new.dtype, new._peers, new._index = dtype, None, None
         return new

@@ -36,11 +36,12 @@ def _head_dim(model) -> int:
 
 
 def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, model=None, profile=None):
-    """(key codec spec(s), value codec spec(s), sink tokens) for a budget of ``bits``: the
-    best uncalibrated configuration measured in Chapter 9 (``turboquant.budget``), or with
-    ``profile`` (True: the model's own, a dict or a path) the profile's calibrated choice
-    (``turboquant.calibration``: one codec per layer). ``bits`` excludes explicit codecs and
-    sinks. (A profile's key coders carry the positions they were fitted for:
+    """(key codec spec(s), value codec spec(s), sink tokens, keys before RoPE) for a budget of
+    ``bits``: the best uncalibrated configuration measured in Chapter 9 (``turboquant.budget``),
+    or with ``profile`` (True: the model's own, a dict or a path) the profile's calibrated
+    choice (``turboquant.calibration``: one codec per layer; keys before RoPE when the choice
+    says so: the caches are then wrapped by ``prerope.pre_rope``). ``bits`` excludes explicit
+    codecs and sinks. (A profile's key coders carry the positions they were fitted for:
     ``TransformCoder.positions``.)"""
     from .budget import codecs_for, pick
     if key_codec is not None or value_codec is not None or sink_tokens:
@@ -60,10 +61,10 @@ def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, mod
             if prof is None:
                 raise ValueError("profile=True: this model has no calibrated profile; run `turboquant calibrate` "
                                  "first, or leave profile out for the uncalibrated budgets")
-        keys, values, sinks, _ = profile_codecs(model, prof, bits)
-        return keys, values, sinks
+        keys, values, sinks, entry = profile_codecs(model, prof, bits)
+        return keys, values, sinks, bool(entry["choice"].get("pre_rope", False))
     choice = pick(bits, dim)
-    return (*codecs_for(choice), choice.sink_tokens)
+    return (*codecs_for(choice), choice.sink_tokens, False)
 
 
 def _per_layer(spec, i: int, n: int):
@@ -127,7 +128,11 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     profile's key coders are fitted for positions below ``TransformCoder.positions`` (the
     shipped profiles: the model's whole context; profiles written before that, one 512-token
     window); past it their key error grows many-fold (RoPE turns keys with their position)
-    and the cache raises a ``FittedPositionsWarning``.
+    and the cache raises a ``FittedPositionsWarning``. A profile configuration fitted on keys
+    before RoPE (``Choice.pre_rope``: ``turboquant calibrate`` offers it, its interval rule
+    decides) gives ``prerope.PreRopeCache`` layers: the keys' RoPE undone on the way in and
+    applied again to the decoded keys on the way out; such caches save, load and batch, and
+    refuse ``max_kv_size``.
     ``bits`` cannot be combined with ``key_codec``/``value_codec``/``sink_tokens``.
 
     ``turned_mean=True`` learns the key mean of the plain layers before RoPE and turns it with
@@ -154,8 +159,10 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
         if bits is None:
             raise ValueError("profile= chooses the configuration for bits=: give bits too")
     dim = _head_dim(model)
+    before_rope = False
     if bits is not None:
-        key_codec, value_codec, sink_tokens = _budget(bits, dim, key_codec, value_codec, sink_tokens, model, profile)
+        key_codec, value_codec, sink_tokens, before_rope = _budget(bits, dim, key_codec, value_codec, sink_tokens,
+                                                                   model, profile)
     reference = _mlx_reference(model, max_kv_size)
     out = []
     for i, c in enumerate(reference):
@@ -170,8 +177,15 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
             out.append(TurboQuantKVCache(kc, vc, fp_window=fp_window, sink_tokens=sink_tokens))
         else:
             out.append(c)
+    if before_rope and any(isinstance(c, TurboQuantRotatingKVCache) for c in out):
+        raise ValueError(f"the profile's configuration at {bits:g} bits codes keys before RoPE, which a "
+                         "sliding-window cache cannot hold (its slots do not keep positions in order): "
+                         "leave out max_kv_size, or use a model without sliding-window layers")
     if warn_rotating:
         _warn_rotating(out, fp_window, sink_tokens)
+    if before_rope:                                # the profile's key coders were fitted before RoPE
+        from .prerope import pre_rope
+        return pre_rope(model, tag_group(out))       # the inner caches form the group
     if turned_mean:
         from .prerope import turned_mean as wrap
         return wrap(model, out)                    # it tags the list it returns
@@ -191,8 +205,8 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
     if bits is not None:
         filled = [c for c in cache if isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)) and not c.empty()]
         if filled:
-            key_codec, value_codec, sink_tokens = _budget(bits, filled[0].state[0].shape[-1], key_codec,
-                                                          value_codec, sink_tokens)
+            key_codec, value_codec, sink_tokens, _ = _budget(bits, filled[0].state[0].shape[-1], key_codec,
+                                                             value_codec, sink_tokens)
     out = []
     for c in cache:
         if not isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)) or c.empty():

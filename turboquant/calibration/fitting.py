@@ -20,12 +20,28 @@ WINDOW = 512
 class Choice:
     """A calibrated configuration: transform-coder bits per coordinate for keys and values
     (side information included: there is none per vector), exact outliers per vector
-    (24 bits each, inside those bits) and exact leading tokens."""
+    (24 bits each, inside those bits) and exact leading tokens; ``pre_rope``: the key coders
+    fitted and run on the keys with RoPE undone (``fit_layers(…, pre_rope=True)``, the caches
+    wrapped in ``prerope.PreRopeCache``)."""
 
     key_bits: float
     value_bits: float
     outliers: int = 1
     sink_tokens: int = 1
+    pre_rope: bool = False
+
+    def fields(self) -> dict:
+        """The fields a profile records: ``pre_rope`` only when set, so that a configuration
+        after RoPE reads (and keys its fitted coders) as it did before the field existed."""
+        from dataclasses import asdict
+        d = asdict(self)
+        if not self.pre_rope:
+            del d["pre_rope"]
+        return d
+
+    def __str__(self) -> str:
+        return (f"K{self.key_bits:g}/V{self.value_bits:g}, {self.outliers} outlier(s), {self.sink_tokens} sink(s)"
+                + (", keys before RoPE" if self.pre_rope else ""))
 
     def bits(self, dim: int) -> float:
         """Average over K and V of the fitted coders' ``bits_per_coordinate``

@@ -82,9 +82,9 @@ def load_profile(path) -> dict:
     fields = {"key_bits": (int, float), "value_bits": (int, float), "outliers": (int,), "sink_tokens": (int,)}
     for e in p["budgets"]:
         c = e.get("choice") if isinstance(e, dict) else None
-        if not isinstance(c, dict) or set(c) != set(fields) or any(
+        if not isinstance(c, dict) or set(c) - {"pre_rope"} != set(fields) or any(
                 isinstance(c[k], bool) or not isinstance(c[k], t) or c[k] < 0 for k, t in fields.items()) \
-                or not isinstance(e.get("ppl"), (int, float)):
+                or not isinstance(c.get("pre_rope", False), bool) or not isinstance(e.get("ppl"), (int, float)):
             raise ValueError(f"{path}: malformed budget entry {e!r:.200}")
     if not isinstance(p.get("signature"), dict):
         raise ValueError(f"{path}: no model signature")

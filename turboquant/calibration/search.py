@@ -1,8 +1,9 @@
 """The search that writes a profile (Chapter 10, ``turboquant calibrate``): for each budget a
 few candidate configurations are fitted on the calibration windows and scored by
 perplexity on held-out tokens of the *calibration* text. The first candidate (equal key and
-value bits, one exact outlier per vector) is the default; another replaces it only when it
-is *established* better — its paired 95 % interval of Δppl difference from the default lies
+value bits, one exact outlier per vector) is the default (the others: no outlier, half a bit
+moved from values to keys, and — where the model allows it — the keys coded before RoPE);
+another replaces it only when it is *established* better — its paired 95 % interval of Δppl difference from the default lies
 below 0 (``evaluation.intervals.difference``, windows resampled together) — so a choice
 never rests on a difference the held-out text cannot tell from noise. A candidate whose
 coders cannot represent a held-out key or value (``OutOfRangeError``: a vector with more
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
 from typing import Optional, Sequence, Union
 
 from .phases import context_length
@@ -22,21 +22,29 @@ from .profiles import PROFILE_FORMAT, PROFILE_VERSION, ids_digest
 __all__ = ["candidates", "choose", "calibrate"]
 
 
-def candidates(budget: float, dim: int) -> list[Choice]:
+def candidates(budget: float, dim: int, pre_rope: bool = False) -> list[Choice]:
     """The configurations ``calibrate`` compares at a budget, the default first: equal K/V
-    bits with one outlier per vector, then without it, and half a bit moved from values to
-    keys (those that do not fit the budget or the head size are left out)."""
+    bits with one outlier per vector, then without it, half a bit moved from values to keys,
+    and with ``pre_rope`` the default with its keys coded before RoPE (those that do not fit
+    the budget or the head size are left out)."""
     from ..budget import within
     from ..codecs.transform import TransformCoder
     out = [Choice(budget, budget, 1), Choice(budget, budget, 0), Choice(budget + 0.5, budget - 0.5, 1)]
+    if pre_rope:
+        out.append(Choice(budget, budget, 1, pre_rope=True))
     return [c for c in out if 24 * c.outliers < TransformCoder.vector_bits(min(c.key_bits, c.value_bits), dim)
             and max(c.key_bits, c.value_bits) <= 8 and within(c.bits(dim), budget)]
 
 
-def _ppl_factory(model, keys, values, sink):
+def _ppl_factory(model, keys, values, choice: Choice):
     from ..prompt_cache import make_prompt_cache
-    return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values, sink_tokens=sink,
-                                     warn_rotating=False)
+    from ..prerope import pre_rope
+
+    def make():
+        cache = make_prompt_cache(model, key_codec=keys, value_codec=values, sink_tokens=choice.sink_tokens,
+                                  warn_rotating=False)
+        return pre_rope(model, cache) if choice.pre_rope else cache
+    return make
 
 
 def choose(tried: list[dict], ref_nll: list[float], n: list[int], n_boot: int = 2000, seed: int = 0) -> int:
@@ -62,14 +70,18 @@ def choose(tried: list[dict], ref_nll: list[float], n: list[int], n_boot: int = 
 
 def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: str = "wikipedia",
               text: Optional[str] = None, windows: int = 8, heldout: int = 8192,
-              positions: Union[int, str, None] = "context", progress: bool = True) -> dict:
+              positions: Union[int, str, None] = "context", pre_rope: Optional[bool] = None,
+              progress: bool = True) -> dict:
     """A profile: for each budget (bits per coordinate), the candidate ``choose`` takes on
     ``heldout`` tokens of the calibration text that follow the ``windows`` calibration
     windows (scored in 512-token windows: the unit of the paired bootstrap). ``text``
     replaces the corpus (``corpus`` then names it). ``positions``: the keys and queries
     are fitted as if spread over that many positions (``phases``; "context": the model's
     own context length), so the profile holds at every position below it; None fits them
-    where the windows put them, and the profile then holds only within one window."""
+    where the windows put them, and the profile then holds only within one window.
+    ``pre_rope``: whether to offer the candidates with keys coded before RoPE (None: where the
+    model allows it, ``prerope.pre_rope_refusal``; True on a model that does not: ValueError).
+    A profile that takes one makes ``make_prompt_cache`` wrap its caches (``PreRopeCache``)."""
     from ..data import load_text
     from ..evaluation import bos_id, encode_text, perplexity
     from ..codecs.transform import OutOfRangeError
@@ -77,6 +89,13 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
     budgets = sorted({float(b) for b in budgets})
     if not budgets or any(not math.isfinite(b) or b <= 0 or b > 8 for b in budgets):
         raise ValueError(f"budgets must be bits per coordinate in (0, 8], got {budgets}")
+    from ..prerope import pre_rope_refusal
+    if pre_rope is not None and not isinstance(pre_rope, bool):
+        raise TypeError(f"pre_rope must be True, False or None (where the model allows it), got {pre_rope!r}")
+    refusal = pre_rope_refusal(model) if pre_rope is not False else None
+    if pre_rope and refusal:
+        raise ValueError(f"pre_rope=True: this model's keys cannot be coded before RoPE: {refusal}")
+    pre_rope = pre_rope is not False and refusal is None
     dim = geometry_from_model(model).head_dim
     bos = bos_id(tokenizer)
     source = text if text is not None else load_text(corpus)
@@ -85,7 +104,7 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
     if positions == "context":
         positions = context_length(model)
     t0 = time.time()
-    stats = capture_statistics(model, cal, bos=bos, positions=positions, progress=progress)
+    stats = capture_statistics(model, cal, bos=bos, positions=positions, pre_rope=pre_rope, progress=progress)
     if len(held) < heldout or heldout < 2 * WINDOW:
         raise ValueError(f"the calibration text has {len(ids)} tokens: {windows} windows of {WINDOW} and "
                          f"{heldout} held-out tokens (at least two windows, for an interval) are needed")
@@ -93,18 +112,19 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
     ref, ref_nll, n = fp32["ppl"], fp32["per_window"]["nll"], fp32["per_window"]["n"]
     entries = []
     for budget in budgets:
-        tried, cands = [], candidates(budget, dim)
+        tried, cands = [], candidates(budget, dim, pre_rope)
         if not cands:
             raise ValueError(f"no calibrated configuration fits {budget} bits per coordinate at head size {dim}")
         for choice in cands:
-            keys, values = fit_layers(stats, choice.key_bits, choice.value_bits, choice.outliers)
+            keys, values = fit_layers(stats, choice.key_bits, choice.value_bits, choice.outliers,
+                                      pre_rope=choice.pre_rope)
             try:
-                r = perplexity(model, held, _ppl_factory(model, keys, values, choice.sink_tokens), bos=bos,
+                r = perplexity(model, held, _ppl_factory(model, keys, values, choice), bos=bos,
                                window=WINDOW, progress=progress)
             except OutOfRangeError as e:        # cannot code the held-out text: not a candidate
-                tried.append({"choice": asdict(choice), "bits": choice.bits(dim), "refused": str(e)})
+                tried.append({"choice": choice.fields(), "bits": choice.bits(dim), "refused": str(e)})
                 continue
-            tried.append({"choice": asdict(choice), "ppl": r["ppl"], "ppl_increase": r["ppl"] / ref - 1,
+            tried.append({"choice": choice.fields(), "ppl": r["ppl"], "ppl_increase": r["ppl"] / ref - 1,
                           "bits": choice.bits(dim), "measured_bits": r["bits"],
                           "per_window": r["per_window"]["nll"]})
         pick = choose(tried, ref_nll, n)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 from .fitting import WINDOW, Choice, capture_statistics, fit_layers, signature
@@ -27,7 +26,9 @@ def profile_codecs(model, profile: dict, bits: float, progress: bool = False):
     """(key codecs per layer, value codecs per layer, sink tokens, entry) for the best
     configuration of ``profile`` within ``bits``, fitted on ``model``'s own activations on
     the profile's calibration ids: a profile carries choices and token ids, never codecs.
-    Statistics and codecs are memoised for one model object at a time (``clear_memo``)."""
+    Statistics and codecs are memoised for one model object at a time (``clear_memo``).
+    An entry whose choice has ``pre_rope`` gives key coders for keys with RoPE undone: its
+    caches must be wrapped (``prerope.pre_rope``; ``make_prompt_cache`` does it)."""
     import weakref
     from ..memory import geometry_from_model
     if profile.get("signature") != signature(model):
@@ -41,18 +42,20 @@ def profile_codecs(model, profile: dict, bits: float, progress: bool = False):
     cal = profile["calibration"]
     fields = ("sha256", "bos", "window", "sink") + (("positions", "phase_seed") if cal.get("positions") else ())
     skey = json.dumps({k: cal.get(k) for k in fields}, sort_keys=True)   # a windows-only profile: its old key
-    ckey = skey + json.dumps(asdict(choice), sort_keys=True)
+    ckey = skey + json.dumps(choice.fields(), sort_keys=True)
     if ckey not in _MEMO["codecs"]:
         stored = coder_store_path(model, ckey)
         coders = _read_coders(stored)
         if coders is None:
-            if skey not in _MEMO["stats"]:
+            have = _MEMO["stats"].get(skey)
+            if have is None or (choice.pre_rope and "k_pre" not in have[0]):   # keys before RoPE: captured too
                 _MEMO["stats"][skey] = capture_statistics(model, cal["ids"], bos=cal.get("bos"),
                                                           window=cal.get("window", WINDOW), sink=cal.get("sink", 1),
                                                           positions=cal.get("positions"),
-                                                          seed=cal.get("phase_seed", 0), progress=progress)
+                                                          seed=cal.get("phase_seed", 0), pre_rope=choice.pre_rope,
+                                                          progress=progress)
             coders = fit_layers(_MEMO["stats"][skey], choice.key_bits, choice.value_bits, choice.outliers,
-                                progress=progress)
+                                pre_rope=choice.pre_rope, progress=progress)
             _write_coders(stored, coders)
         _MEMO["codecs"][ckey] = coders
     keys, values = _MEMO["codecs"][ckey]
