@@ -209,6 +209,7 @@ def test_calibrated_configurations_need_another_evaluation_text():
     (["calibrate", "--corpus", "books"], "argument --corpus: invalid choice"),
     (["calibrate", "--positions", "100"], "argument --positions: at least one 512-token window"),
     (["calibrate", "--positions", "-1"], "argument --positions: must be >= 0"),
+    (["calibrate", "--pre-rope", "maybe"], "argument --pre-rope: invalid choice"),
 ])
 def test_calibrate_cli_refuses_bad_arguments(argv, message, capsys):
     from turboquant import cli

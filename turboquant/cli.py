@@ -216,6 +216,11 @@ def _calibrate(args) -> int:
         text = path.read_text(encoding="utf-8", errors="strict")
     _check_positions(args)
     model, tok = load(args.model)
+    if args.pre_rope == "yes":
+        from .prerope import pre_rope_refusal
+        why = pre_rope_refusal(model)
+        if why:
+            args.parser.error(f"argument --pre-rope: this model's keys cannot be coded before RoPE: {why}")
     name = args.model if args.name is None else args.name
     prof = calibrate(model, tok, args.budgets, name=name, corpus=args.corpus if text is None else str(args.text),
                      text=text, windows=args.windows, heldout=args.heldout,
