@@ -155,6 +155,7 @@ class PreRopeCache(CacheBase):
     nbytes = property(lambda self: self.inner.nbytes)
     key_codec = property(lambda self: self.inner.key_codec)
     value_codec = property(lambda self: self.inner.value_codec)
+    sink_tokens = property(lambda self: self.inner.sink_tokens)
     n_layers = property(lambda self: getattr(self.inner, "n_layers", None))   # codes_attention's layer check
     state = property(lambda self: self.inner.state)
     meta_state = property(lambda self: self.inner.meta_state)
