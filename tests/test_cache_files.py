@@ -347,10 +347,17 @@ def test_layers_coding_keys_before_rope_save_and_load(tmp_path, llama, n):
     the RoPE it undoes (format version 5 only then), loads as the same wrappers, continues bit
     for bit, and refuses a model with another RoPE or a crafted RoPE, naming the field."""
     from turboquant.prerope import PreRopeCache
+    import copy
     cache = _before_rope(llama)
     loaded = _filled_saved_loaded(tmp_path / "p.bin", llama, cache, n, PreRopeCache, 5)
+    copied = copy.deepcopy(loaded)
     nxt = toks(12, seed=3)
     assert mx.array_equal(llama(nxt, cache=cache), llama(nxt, cache=loaded)).item()
+    for whole in (loaded, copied):             # loaded or copied, the list checks its layers take tokens in step
+        with pytest.raises(ValueError, match="layer 1 was given tokens"):
+            run_in_chunks(llama, nxt[:, :2], whole[1:], [2])
+        with pytest.raises(ValueError, match="this prompt cache is unusable"):
+            llama(nxt[:, :2], cache=whole)
 
     def rope_set(key, value):
         def edit(h):

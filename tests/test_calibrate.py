@@ -600,8 +600,11 @@ def test_a_profile_may_code_keys_before_rope_and_its_caches_say_so(model, profil
     with pytest.raises(ValueError, match="malformed budget entry"):
         cal.load_profile(tmp_path / "bad.json")
     gemma = tiny_model("gemma3", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1)
-    from turboquant.prerope import pre_rope_refusal
+    from turboquant.prompt_cache import pre_rope_refusal
     assert "sliding-window" in pre_rope_refusal(gemma) and pre_rope_refusal(model) is None
+    from turboquant.serve import install_caches
+    install_caches(gemma, bits=4.25)                        # model.make_cache now makes TurboQuant caches
+    assert "sliding-window" in pre_rope_refusal(gemma)
     with pytest.raises(ValueError, match="pre_rope=True: this model's keys cannot be coded before RoPE"):
         cal.calibrate(gemma, ByteTokenizer(), [4.25], name="g", text=TEXT, windows=1, heldout=1024,
                       pre_rope=True, progress=False)

@@ -245,9 +245,9 @@ def _load_mlx_lm_layout(path, arrays, meta):
                 fields = tuple(dict(p) if isinstance(p, dict) else {} for p in state[:3])
                 cache.append(_build_layer(json.loads(state[3]), fields))
             elif name in ("TurnedMeanCache", "PreRopeCache"):
-                raise ValueError(f"a {name} saved by mlx_lm.save_prompt_cache, which keeps neither its RoPE "
-                                 "settings nor its codecs' configurations; save such caches with "
-                                 "turboquant.save_prompt_cache")
+                what = "mean's settings" if name == "TurnedMeanCache" else "RoPE settings"
+                raise ValueError(f"a {name} saved by mlx_lm.save_prompt_cache, which keeps neither its {what} "
+                                 "nor its codecs' configurations; save such caches with turboquant.save_prompt_cache")
             elif hasattr(mlx_cache, name):
                 cache.append(getattr(mlx_cache, name).from_state(state))
             else:

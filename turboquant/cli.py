@@ -217,7 +217,7 @@ def _calibrate(args) -> int:
     _check_positions(args)
     model, tok = load(args.model)
     if args.pre_rope == "yes":
-        from .prerope import pre_rope_refusal
+        from .prompt_cache import pre_rope_refusal
         why = pre_rope_refusal(model)
         if why:
             args.parser.error(f"argument --pre-rope: this model's keys cannot be coded before RoPE: {why}")

@@ -51,7 +51,7 @@ from .cache_base import CacheBase, codes_mode
 from .checks import check_int
 from .codes import CodesView
 
-__all__ = ["Rope", "rope_of", "PreRopeCache", "pre_rope", "pre_rope_refusal", "TurnedMeanCache", "TurnedCodesView", "turned_mean",
+__all__ = ["Rope", "rope_of", "PreRopeCache", "pre_rope", "TurnedMeanCache", "TurnedCodesView", "turned_mean",
            "angle_table", "centering_residual"]
 
 
@@ -124,7 +124,43 @@ def _refuse_wrapping(name: str, inner, rope) -> None:
         raise TypeError(f"rope must be a turboquant.prerope.Rope, got {type(rope).__name__}")
 
 
-class PreRopeCache(CacheBase):
+class _Wrapper(CacheBase):
+    """What both wrappers of this module share: a plain ``TurboQuantKVCache`` inside
+    (``inner``) and a place in the prompt cache's group (``cache.tag_group``). The wrapper is the
+    group's member: it checks that the layers take tokens in step before every update (its inner
+    cache hands its tokens on changed, or not at once), the inner cache shares the group's
+    verdict and knows the list's length (``codes_attention``); a deep copy of the whole list
+    keeps the check among the copies."""
+
+    _peers = _index = None                      # the prompt cache's members, this one's place
+
+    def join_group(self, group: dict, index: int, n_layers: int) -> None:
+        """Become layer ``index`` of ``group`` (``cache.tag_group``)."""
+        self.inner.n_layers, self.inner.group, self.inner.group_index = n_layers, group, None
+        self._peers, self._index = group["caches"], index
+
+    def _check_in_step(self, T: int) -> None:
+        """Before T tokens are taken: refuse if the prompt cache is marked unusable, or if the
+        layers are not in step (``cache.check_in_step``, which marks it)."""
+        peers, i = self._peers, self._index
+        group = getattr(self.inner, "group", None)
+        if group is not None and group["broken"]:
+            raise ValueError(group["broken"])
+        if peers is None or i is None or i >= len(peers) or peers[i] is not self:
+            return
+        check_in_step(peers, i, self.offset, T, group)
+
+    def __deepcopy__(self, memo):
+        import copy
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(self.__dict__)
+        new._peers = memo.get(id(self._peers))      # the copy of the list being copied, if it is
+        new.inner = copy.deepcopy(self.inner, memo)
+        return new
+
+
+class PreRopeCache(_Wrapper):
     """``PreRopeCache(inner, rope)``: ``inner`` (a plain ``TurboQuantKVCache``, empty) codes
     the keys with ``rope`` undone; ``update_and_fetch`` returns keys with RoPE applied again.
     Everything else (offset, bytes, masks, trimming, the codecs) is ``inner``'s. Saved by
@@ -144,6 +180,7 @@ class PreRopeCache(CacheBase):
         if not isinstance(keys, mx.array) or keys.ndim != 4 or keys.shape[-1] != self.inner.key_codec.dim:
             raise ValueError(f"keys must be an mx.array of shape (B, H, T, {self.inner.key_codec.dim}), got "
                              f"{tuple(keys.shape) if isinstance(keys, mx.array) else type(keys).__name__}")
+        self._check_in_step(keys.shape[2])
         token = codes_mode.set(0)                 # the inner cache decodes, whatever the caller's mode
         try:
             k, v = self.inner.update_and_fetch(self.rope.apply(keys, self.inner.offset, inverse=True), values)
@@ -156,9 +193,13 @@ class PreRopeCache(CacheBase):
     key_codec = property(lambda self: self.inner.key_codec)
     value_codec = property(lambda self: self.inner.value_codec)
     sink_tokens = property(lambda self: self.inner.sink_tokens)
+    exact_nbytes = property(lambda self: self.inner.exact_nbytes)
     n_layers = property(lambda self: getattr(self.inner, "n_layers", None))   # codes_attention's layer check
     state = property(lambda self: self.inner.state)
     meta_state = property(lambda self: self.inner.meta_state)
+
+    def code_nbytes(self, n_tokens=None) -> int:
+        return self.inner.code_nbytes(n_tokens)
 
     def size(self) -> int:
         return self.inner.size()
@@ -212,20 +253,6 @@ class PreRopeCache(CacheBase):
         return f"PreRopeCache({self.inner!r}, {self.rope})"
 
 
-def pre_rope_refusal(model) -> "str | None":
-    """Why ``model``'s keys cannot be coded before RoPE (a RoPE variant other than ``nn.RoPE``,
-    sliding-window layers), or None when every layer's can."""
-    from mlx_lm.models import cache as mlx_cache
-    try:
-        rope_of(model)
-    except (TypeError, ValueError) as e:
-        return str(e)
-    make = getattr(model, "make_cache", None)
-    if make is not None and any(isinstance(c, mlx_cache.RotatingKVCache) for c in make()):
-        return "the model has sliding-window layers, whose ring of slots does not hold positions in order"
-    return None
-
-
 def pre_rope(model, cache: list) -> list:
     """``cache`` (a fresh prompt cache for ``model``, e.g. from ``make_prompt_cache``) with
     every layer's cache wrapped in a ``PreRopeCache`` using that layer's RoPE: its keys are
@@ -233,7 +260,7 @@ def pre_rope(model, cache: list) -> list:
     ropes = rope_of(model)
     if len(ropes) != len(cache):
         raise ValueError(f"the cache has {len(cache)} layers, the model {len(ropes)}")
-    return [PreRopeCache(c, r) for c, r in zip(cache, ropes)]
+    return tag_group([PreRopeCache(c, r) for c, r in zip(cache, ropes)])
 
 
 class TurnedCodesView(CodesView):
@@ -304,7 +331,7 @@ def _turned(mean: mx.array, offset: int, T: int, rope: Rope) -> mx.array:
     return rope.apply(mx.broadcast_to(mean[None, :, None, :], (1, H, T, D)), offset)
 
 
-class TurnedMeanCache(CacheBase):
+class TurnedMeanCache(_Wrapper):
     """``TurnedMeanCache(inner, rope)``: keys centred by a mean learned before RoPE and turned
     with each position; codes read by attention from codes without decoding.
 
@@ -343,7 +370,6 @@ class TurnedMeanCache(CacheBase):
         self.mean = None                            # (H_kv, D) float32, once learned
         self._warm_k = self._warm_v = None          # the exact tokens held until then
         self.dtype = mx.float32                     # of the keys given (the inner cache holds float32 residuals)
-        self._peers, self._index = None, None       # the prompt cache's wrappers (``turned_mean``), this one's place
 
     @staticmethod
     def refuse(inner, rope) -> None:
@@ -401,20 +427,6 @@ class TurnedMeanCache(CacheBase):
         out = self.inner.update_and_fetch(res, v.astype(mx.float32))   # a failure leaves this cache as it was
         self.mean, self._warm_k, self._warm_v, self.dtype = mean, None, None, keys.dtype
         return self._out(*out)
-
-    def _check_in_step(self, T: int) -> None:
-        """The wrapped cache takes no tokens while the mean is learned and then takes them all at
-        once, so its own check that the layers take tokens in step cannot run: the wrapper makes
-        it (``cache.check_in_step``) on the prompt cache's layers (``tag_group``: ``turned_mean``
-        and ``load_prompt_cache`` set them), before every update. A mismatch marks the whole
-        prompt cache unusable, as the inner caches' check does."""
-        peers, i = self._peers, self._index
-        group = getattr(self.inner, "group", None)
-        if group is not None and group["broken"]:
-            raise ValueError(group["broken"])
-        if peers is None or i is None or i >= len(peers) or peers[i] is not self:
-            return
-        check_in_step(peers, i, self.offset, T, group)
 
     def _out(self, k, v):
         if isinstance(k, CodesView):
@@ -482,13 +494,6 @@ class TurnedMeanCache(CacheBase):
         self.mean = None
         self._warm_k, self._warm_v = (k, v) if keep else (None, None)
         return n
-
-    def join_group(self, group: dict, index: int, n_layers: int) -> None:
-        """Become layer ``index`` of ``group`` (``cache.tag_group``): this wrapper checks that the
-        layers take tokens in step (its inner cache cannot: see ``_check_in_step``), the inner
-        cache shares the group's verdict and knows the list's length (``codes_attention``)."""
-        self.inner.n_layers, self.inner.group, self.inner.group_index = n_layers, group, None
-        self._peers, self._index = group["caches"], index
 
     # ----------------------------------------------------------------- batching
     def merge(self, caches):
@@ -578,12 +583,7 @@ class TurnedMeanCache(CacheBase):
         return new
 
     def __deepcopy__(self, memo):
-        import copy
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(self.__dict__)
-        new._peers = memo.get(id(self._peers))      # the copy of the list being copied, if it is
-        new.inner = copy.deepcopy(self.inner, memo)
+        new = super().__deepcopy__(memo)
         new.mean, new._warm_k, new._warm_v = (None if a is None else mx.array(a)
                                                for a in (self.mean, self._warm_k, self._warm_v))
         return new

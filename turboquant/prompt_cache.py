@@ -18,7 +18,7 @@ from .memory import cache_count, check_layers, geometry_from_model, model_finger
 
 __all__ = ["make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prompt_cache", "model_geometry",
            "check_layers", "cache_count", "content_digest", "model_fingerprint",
-           "FORMAT", "FORMAT_VERSION"]
+           "FORMAT", "FORMAT_VERSION", "pre_rope_refusal"]
 
 def _ring_layout(c) -> tuple[int, int, int, int]:
     """(offset, keep, max_size, write position) of an mlx-lm ``RotatingKVCache`` through its
@@ -95,6 +95,19 @@ def _mlx_reference(model, max_kv_size: Optional[int]) -> list:
     return mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
 
 
+def pre_rope_refusal(model) -> "str | None":
+    """Why ``model``'s keys cannot be coded before RoPE (a RoPE variant other than ``nn.RoPE``,
+    sliding-window layers), or None when every layer's can."""
+    from .prerope import rope_of
+    try:
+        rope_of(model)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    if any(isinstance(c, mlx_cache.RotatingKVCache) for c in _mlx_reference(model, None)):   # even under serve
+        return "the model has sliding-window layers, whose ring of slots does not hold positions in order"
+    return None
+
+
 def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec = None,
                       fp_window: int = 0, max_kv_size: Optional[int] = None, sink_tokens: int = 0,
                       bits: Optional[float] = None, warn_rotating: bool = True, profile=None,
@@ -125,13 +138,15 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     configuration within ``bits`` instead (transform coders per layer, fitted on the
     profile's calibration text). Calibration pays on text like its calibration text and can
     lose on other domains (Chapter 10 measures how much), so it is not the default. A
-    profile's key coders are fitted for positions below ``TransformCoder.positions`` (the
-    shipped profiles: the model's whole context; profiles written before that, one 512-token
-    window); past it their key error grows many-fold (RoPE turns keys with their position)
-    and the cache raises a ``FittedPositionsWarning``. A profile configuration fitted on keys
-    before RoPE (``Choice.pre_rope``: ``turboquant calibrate`` offers it, its interval rule
-    decides) gives ``prerope.PreRopeCache`` layers: the keys' RoPE undone on the way in and
-    applied again to the decoded keys on the way out; such caches save, load and batch, and
+    profile's key coders fitted after RoPE are fitted for positions below
+    ``TransformCoder.positions`` (spread over the model's whole context; profiles written
+    before that, one 512-token window); past it their key error grows many-fold (RoPE turns
+    keys with their position) and the cache raises a ``FittedPositionsWarning``. A profile
+    configuration fitted on keys before RoPE (``Choice.pre_rope``: ``turboquant calibrate``
+    offers it, its interval rule decides; SmolLM2's shipped profile takes it) gives
+    ``prerope.PreRopeCache`` layers: the keys' RoPE undone on the way in and applied again to
+    the decoded keys on the way out. Such key coders record no positions (a key before RoPE
+    does not depend on its position) and never warn; the caches save, load and batch, and
     refuse ``max_kv_size``.
     ``bits`` cannot be combined with ``key_codec``/``value_codec``/``sink_tokens``.
 
@@ -185,7 +200,7 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
         _warn_rotating(out, fp_window, sink_tokens)
     if before_rope:                                # the profile's key coders were fitted before RoPE
         from .prerope import pre_rope
-        return pre_rope(model, tag_group(out))       # the inner caches form the group
+        return pre_rope(model, out)                  # it tags the list it returns
     if turned_mean:
         from .prerope import turned_mean as wrap
         return wrap(model, out)                    # it tags the list it returns

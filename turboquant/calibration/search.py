@@ -80,7 +80,7 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
     own context length), so the profile holds at every position below it; None fits them
     where the windows put them, and the profile then holds only within one window.
     ``pre_rope``: whether to offer the candidates with keys coded before RoPE (None: where the
-    model allows it, ``prerope.pre_rope_refusal``; True on a model that does not: ValueError).
+    model allows it, ``prompt_cache.pre_rope_refusal``; True on a model that does not: ValueError).
     A profile that takes one makes ``make_prompt_cache`` wrap its caches (``PreRopeCache``)."""
     from ..data import load_text
     from ..evaluation import bos_id, encode_text, perplexity
@@ -89,7 +89,7 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
     budgets = sorted({float(b) for b in budgets})
     if not budgets or any(not math.isfinite(b) or b <= 0 or b > 8 for b in budgets):
         raise ValueError(f"budgets must be bits per coordinate in (0, 8], got {budgets}")
-    from ..prerope import pre_rope_refusal
+    from ..prompt_cache import pre_rope_refusal
     if pre_rope is not None and not isinstance(pre_rope, bool):
         raise TypeError(f"pre_rope must be True, False or None (where the model allows it), got {pre_rope!r}")
     refusal = pre_rope_refusal(model) if pre_rope is not False else None
