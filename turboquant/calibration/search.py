@@ -3,9 +3,9 @@ few candidate configurations are fitted on the calibration windows and scored by
 perplexity on held-out tokens of the *calibration* text. The first candidate (equal key and
 value bits, one exact outlier per vector) is the default (the others: no outlier, half a bit
 moved from values to keys, and — where the model allows it — the keys coded before RoPE);
-another replaces it only when it is *established* better — its paired 95 % interval of Δppl difference from the default lies
-below 0 (``evaluation.intervals.difference``, windows resampled together) — so a choice
-never rests on a difference the held-out text cannot tell from noise. A candidate whose
+another replaces it only when it is *established* better — its paired 95 % interval of Δppl
+difference from the default lies below 0 (``evaluation.intervals.difference``, windows
+resampled together) — so a choice never rests on a difference the held-out text cannot tell from noise. A candidate whose
 coders cannot represent a held-out key or value (``OutOfRangeError``: a vector with more
 coefficients far beyond the fitted range than it stores exactly) is recorded as refused and
 left out of the choice."""
