@@ -18,7 +18,7 @@ from turboquant.attention import attention_from_codes, codes_attention, cosine_s
 from turboquant.bitaxon import SMALL, QuantizedSWACache, SWAttention, full_sequence_attention
 from turboquant.cache import TurboQuantKVCache, returning_codes
 from turboquant.codecs import Centered, FibQuant, PolarQuant, TurboQuantMSE
-from turboquant.kernels import emulate, source
+from turboquant.kernels import emulate, source, tf32_note
 from turboquant.models import run_in_chunks, tiny_model
 
 needs_cxx = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler for the kernel emulation")
@@ -258,8 +258,12 @@ def test_cuda_translation_unit_compiles_with_nvcc(tmp_path, op):
 def test_gpu_kernels_equal_reference(name):
     codec = KERNEL_CASES[name]()
     x = vectors((2, 3, 40, codec.dim))
-    with kernels.use(None):
+    # the reference on the CPU: mlx's CUDA back-end runs float32 matmuls in TF32 unless
+    # MLX_ENABLE_TF32=0, which moves a dense rotation or a codeword search enough to flip
+    # about 0.2 % of the codes; the kernels compute in float32 whatever that setting
+    with kernels.use(None), mx.stream(mx.cpu):
         ref = codec.encode(x)
+        mx.eval(ref)
     got = codec.encode(x)                                     # automatic: the GPU kernels
     assert np.mean(np.array(got["idx"]) == np.array(ref["idx"])) >= 0.999
     q = mx.random.normal((1, 3, 2, 1, codec.dim), key=mx.random.key(2))
@@ -310,3 +314,10 @@ def test_self_check_adopts_good_kernels_and_refuses_bad_ones(emu):
         assert kernels.adopt(_Broken) is None
     with pytest.warns(RuntimeWarning, match="scores differ"):
         assert kernels.adopt(lambda: _Perturbed(emu, "scores")) is None
+
+
+def test_tf32_note_only_on_cuda_with_tf32_on():
+    assert tf32_note("cpu", {}) is None and tf32_note("metal", {}) is None
+    assert "MLX_ENABLE_TF32=0" in tf32_note("cuda", {})              # mlx's default there: TF32
+    assert tf32_note("cuda", {"MLX_ENABLE_TF32": "1"}) is not None
+    assert tf32_note("cuda", {"MLX_ENABLE_TF32": "0"}) is None

@@ -33,13 +33,13 @@ from . import source
 from .backend import (Backend, LaunchBackend, as_backend, encode, encode_fits, encode_groups, fits, rotated_values,
                       spec_for, unit_scores, value_splits)
 from .select import (active, adopt, backend_name, cpu_kernels_backend, emulated, emulation_backend, env_mode,
-                     gpu_backend, use, why)
+                     gpu_backend, tf32_note, use, why)
 from .verified import VERIFIED
 
 __all__ = ["KernelSpec", "Backend", "LaunchBackend", "as_backend", "spec_for", "backend_name", "active", "use", "why",
            "env_mode", "adopt", "self_check", "gpu_backend", "cpu_kernels_backend", "emulation_backend",
            "emulated", "fits", "encode_fits", "encode", "unit_scores", "rotated_values", "encode_groups",
-           "value_splits", "VERIFIED", "source"]
+           "value_splits", "VERIFIED", "source", "tf32_note"]
 
 
 def self_check(backend) -> str | None:

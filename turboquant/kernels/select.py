@@ -4,7 +4,11 @@
 (``env_mode``): "auto" (the GPU's kernels if mlx has a GPU, else the CPU kernels), "0"
 (none: the mx path), "cpp" (the GPU kernel bodies compiled as C++ and run on the CPU: the
 emulation, ``emulation_backend``). Every back-end is adopted only after its
-``self_check()``, once per process; ``why()`` says in one sentence what happened.
+``self_check()``, once per process; ``why()`` says in one sentence what happened, and on
+CUDA adds ``tf32_note()``: mlx runs float32 matmuls there in TF32 unless
+``MLX_ENABLE_TF32=0``, so codes computed on the mx path of an NVIDIA GPU can differ from a
+CPU's in a few bytes per thousand (dense rotations, FibQuant's codeword search; measured in
+the Performance chapter). The kernels compute in float32 either way.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import mlx.core as mx
 from .context import AUTO, forced, use
 
 __all__ = ["active", "use", "why", "backend_name", "env_mode", "adopt", "gpu_backend",
-           "cpu_kernels_backend", "emulation_backend", "emulated"]
+           "cpu_kernels_backend", "emulation_backend", "emulated", "tf32_note"]
 
 _MODES = ("auto", "1", "0", "cpp")
 _WHY = {}
@@ -33,6 +37,20 @@ def env_mode() -> str:
                       "using 'auto'", RuntimeWarning, stacklevel=3)
         return "auto"
     return mode
+
+
+def tf32_note(backend: str, environ=None) -> str | None:
+    """What a user of back-end ``backend`` ("cuda", "metal", "cpu", …) should know about
+    mlx's float32 matmuls there, or None. On CUDA mlx asks cuBLAS for TF32 (a 10-bit
+    mantissa) unless ``MLX_ENABLE_TF32=0`` in ``environ`` (default ``os.environ``) when mlx
+    starts: the mx path's rotations and codeword searches then round differently from a
+    CPU's, which flips a few codes per thousand that lie near a decision boundary."""
+    env = os.environ if environ is None else environ
+    if backend != "cuda" or env.get("MLX_ENABLE_TF32") == "0":
+        return None
+    return ("mlx runs float32 matmuls in TF32 here (MLX_ENABLE_TF32 is not 0), so codes computed "
+            "on the mx path can differ from a CPU's in a few bytes per thousand; set "
+            "MLX_ENABLE_TF32=0 before mlx starts for full float32")
 
 
 def adopt(make):
@@ -139,7 +157,9 @@ def why() -> str:
     if mode == "cpp":
         return "TURBOQUANT_KERNELS=cpp: the GPU kernel bodies compiled as C++ (the emulation)"
     if gpu_backend() is not None:
-        return f"mlx has a GPU ({gpu_backend().name}); its kernels passed their self-check"
+        name = gpu_backend().name
+        note = tf32_note(name)
+        return f"mlx has a GPU ({name}); its kernels passed their self-check" + (f"; {note}" if note else "")
     backend = cpu_kernels_backend()
     return "no GPU; CPU kernels " + _WHY.get("cpu", "") if backend is not None else \
         "no GPU, and the CPU kernels are not in use: " + _WHY.get("cpu", "unknown")
