@@ -454,3 +454,27 @@ def test_score_bias_is_the_query_times_the_turned_mean(traditional, dims):
     direct = qf @ mx.swapaxes(view.turned_mean(), -1, -2)[:, :, None]
     assert mx.max(mx.abs(view.score_bias(qf) - direct)).item() < 1e-4
     assert angle_table(rope, T).shape == (T, dims)
+
+
+def test_make_prompt_cache_pre_rope_is_the_one_place_keys_go_before_rope(llama):
+    """``make_prompt_cache(pre_rope=True)`` gives what wrapping by hand gives, bit for bit;
+    the calibration search's candidates and the suite's lever build their caches through it."""
+    from turboquant.calibration.fitting import Choice
+    from turboquant.calibration.search import candidates
+    x = toks(40)
+    made = tq.make_prompt_cache(llama, bits=4.25, pre_rope=True)
+    by_hand = pre_rope(llama, tq.make_prompt_cache(llama, bits=4.25))
+    assert all(isinstance(c, PreRopeCache) for c in made)
+    assert mx.array_equal(run_in_chunks(llama, x, made, [30, 1]), run_in_chunks(llama, x, by_hand, [30, 1])).item()
+    assert any(c.pre_rope for c in candidates(4.25, 32, pre_rope=True)) and Choice(4.25, 4.25, pre_rope=True).pre_rope
+    lever = CONFIGS["pre-RoPE budget K4/V4"].make_cache(llama)()
+    assert all(isinstance(c, PreRopeCache) for c in lever)
+    assert not any(isinstance(c, PreRopeCache) for c in CONFIGS["turned-mean budget K4/V4"].make_cache(llama)())
+    with pytest.raises(TypeError, match="pre_rope must be True or False, got 'yes'"):
+        tq.make_prompt_cache(llama, bits=4.25, pre_rope="yes")
+    with pytest.raises(ValueError, match="choose one"):
+        tq.make_prompt_cache(llama, bits=4.25, pre_rope=True, turned_mean=True)
+    with pytest.raises(ValueError, match="leave pre_rope out"):
+        tq.make_prompt_cache(llama, bits=4.25, pre_rope=True, profile={"budgets": []})
+    with pytest.raises(ValueError, match="pre_rope=True codes keys before RoPE, which a sliding-window cache"):
+        tq.make_prompt_cache(llama, bits=4.25, pre_rope=True, max_kv_size=64)

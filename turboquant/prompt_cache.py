@@ -111,7 +111,7 @@ def pre_rope_refusal(model) -> "str | None":
 def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec = None,
                       fp_window: int = 0, max_kv_size: Optional[int] = None, sink_tokens: int = 0,
                       bits: Optional[float] = None, warn_rotating: bool = True, profile=None,
-                      turned_mean: bool = False) -> list:
+                      turned_mean: bool = False, pre_rope: bool = False) -> list:
     """The right TurboQuant cache for each layer of an mlx-lm model.
 
     Layers whose mlx-lm cache is a ``RotatingKVCache`` (sliding-window layers) get a
@@ -155,9 +155,23 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
     by attention from codes; Chapter 10's lever, better than the centred budgets on every domain
     measured there). It needs centred keys that learn nothing else: ``bits`` without ``profile``,
     or a ``Centered`` key codec. Sliding-window layers keep their mean learned after RoPE.
+
+    ``pre_rope=True`` codes every plain layer's keys before RoPE (``prerope.PreRopeCache``):
+    for key codecs fitted on keys before RoPE, or to try the budgets' codecs there (Chapter
+    10's lever). A profile says this itself, per budget, so ``pre_rope`` is not combined with
+    ``profile``; this is the one place where a choice of keys before RoPE becomes wrapped
+    caches (the calibration search and the suite build theirs here too).
     """
     if not isinstance(turned_mean, bool):
         raise TypeError(f"turned_mean must be True or False, got {turned_mean!r}")
+    if not isinstance(pre_rope, bool):
+        raise TypeError(f"pre_rope must be True or False, got {pre_rope!r}")
+    if pre_rope and turned_mean:
+        raise ValueError("pre_rope=True codes the keys before RoPE and turned_mean=True centres them after RoPE: "
+                         "choose one")
+    if pre_rope and profile is not None and profile is not False:
+        raise ValueError("pre_rope=True with a profile: the profile records, per budget, whether its key coders "
+                         "were fitted before RoPE; leave pre_rope out")
     if turned_mean and bits is None and key_codec is None:
         raise ValueError("turned_mean=True wraps centred keys: give bits= (the budgets centre keys) or a Centered "
                          "key_codec")
@@ -174,10 +188,11 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
         if bits is None:
             raise ValueError("profile= chooses the configuration for bits=: give bits too")
     dim = _head_dim(model)
-    before_rope = False
+    before_rope = pre_rope
     if bits is not None:
         key_codec, value_codec, sink_tokens, before_rope = _budget(bits, dim, key_codec, value_codec, sink_tokens,
                                                                    model, profile)
+        before_rope = before_rope or pre_rope
     reference = _mlx_reference(model, max_kv_size)
     out = []
     for i, c in enumerate(reference):
@@ -192,15 +207,15 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
             out.append(TurboQuantKVCache(kc, vc, fp_window=fp_window, sink_tokens=sink_tokens))
         else:
             out.append(c)
-    if before_rope and any(isinstance(c, TurboQuantRotatingKVCache) for c in out):
-        raise ValueError(f"the profile's configuration at {bits:g} bits codes keys before RoPE, which a "
-                         "sliding-window cache cannot hold (its slots do not keep positions in order): "
-                         "leave out max_kv_size, or use a model without sliding-window layers")
+    if before_rope and max_kv_size is not None:     # (a model's own sliding-window layers: pre_rope refuses)
+        what = "pre_rope=True" if pre_rope else f"the profile's configuration at {bits:g} bits"
+        raise ValueError(f"{what} codes keys before RoPE, which a sliding-window cache cannot hold (its slots "
+                         "do not keep positions in order): leave out max_kv_size")
     if warn_rotating:
         _warn_rotating(out, fp_window, sink_tokens)
-    if before_rope:                                # the profile's key coders were fitted before RoPE
-        from .prerope import pre_rope
-        return pre_rope(model, out)                  # it tags the list it returns
+    if before_rope:                                # key coders fitted (or tried) before RoPE
+        from .prerope import pre_rope as wrap
+        return wrap(model, out)                    # it tags the list it returns
     if turned_mean:
         from .prerope import turned_mean as wrap
         return wrap(model, out)                    # it tags the list it returns

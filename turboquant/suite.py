@@ -165,12 +165,10 @@ class Codecs(Config):
         # only; make_prompt_cache would warn once per cache, i.e. per scoring window here
         make = lambda: make_prompt_cache(model, key_codec=self.key, value_codec=self.value or self.key,
                                          fp_window=self.fp_window, sink_tokens=self.sink_tokens,
-                                         warn_rotating=False)
+                                         warn_rotating=False, pre_rope=self.pre_rope,
+                                         turned_mean=self.turned_mean)
         if self.pre_rope or self.turned_mean:
-            from . import prerope
-            wrap = prerope.pre_rope if self.pre_rope else prerope.turned_mean
-            wrap(model, make())                 # an unsupported model fails here, not in the first window
-            return lambda: wrap(model, make())
+            make()                              # an unsupported model fails here, not in the first window
         return make
 
     def bits(self, dim):
@@ -228,12 +226,11 @@ class Calibrated(Config):
         if stats is None:
             raise ValueError("a calibrated configuration needs calibration statistics")
         keys, values = fit_layers(stats, **self.fit)
+        before_rope = bool(self.fit.get("pre_rope"))    # keys coded before RoPE, as they were fitted
         make = lambda: make_prompt_cache(model, key_codec=keys, value_codec=values, fp_window=self.fp_window,
-                                         sink_tokens=self.sink_tokens, warn_rotating=False)
-        if self.fit.get("pre_rope"):                # keys coded before RoPE, as they were fitted
-            from .prerope import pre_rope
-            pre_rope(model, make())                 # an unsupported model fails here, not in the first window
-            return lambda: pre_rope(model, make())
+                                         sink_tokens=self.sink_tokens, warn_rotating=False, pre_rope=before_rope)
+        if before_rope:
+            make()                                  # an unsupported model fails here, not in the first window
         return make
 
     def bits(self, dim):

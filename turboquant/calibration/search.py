@@ -38,13 +38,8 @@ def candidates(budget: float, dim: int, pre_rope: bool = False) -> list[Choice]:
 
 def _ppl_factory(model, keys, values, choice: Choice):
     from ..prompt_cache import make_prompt_cache
-    from ..prerope import pre_rope
-
-    def make():
-        cache = make_prompt_cache(model, key_codec=keys, value_codec=values, sink_tokens=choice.sink_tokens,
-                                  warn_rotating=False)
-        return pre_rope(model, cache) if choice.pre_rope else cache
-    return make
+    return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values, sink_tokens=choice.sink_tokens,
+                                     warn_rotating=False, pre_rope=bool(choice.pre_rope))
 
 
 def choose(tried: list[dict], ref_nll: list[float], n: list[int], n_boot: int = 2000, seed: int = 0) -> int:
