@@ -268,11 +268,14 @@ def test_gpu_kernels_equal_reference(name):
     assert np.mean(np.array(got["idx"]) == np.array(ref["idx"])) >= 0.999
     q = mx.random.normal((1, 3, 2, 1, codec.dim), key=mx.random.key(2))
     spec, be = kernels.spec_for(codec), kernels.gpu_backend()
-    units = codec.decode_rotated(ref)[:1]
     s = kernels.unit_scores(be, spec, q, ref["idx"][:1])
-    assert mx.abs(s - q @ mx.swapaxes(units, -1, -2)[:, :, None]).max().item() < 1e-4
     w = mx.softmax(s, axis=-1)
-    assert mx.abs(kernels.rotated_values(be, spec, w, ref["idx"][:1]) - w @ units[:, :, None]).max().item() < 1e-5
+    with kernels.use(None), mx.stream(mx.cpu):                # float32 references, as above
+        units = codec.decode_rotated(ref)[:1]
+        s_ref, v_ref = q @ mx.swapaxes(units, -1, -2)[:, :, None], w @ units[:, :, None]
+        mx.eval(s_ref, v_ref)
+    assert mx.abs(s - s_ref).max().item() < 1e-4
+    assert mx.abs(kernels.rotated_values(be, spec, w, ref["idx"][:1]) - v_ref).max().item() < 1e-5
 
 
 def test_launch_size_limits():

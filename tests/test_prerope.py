@@ -119,7 +119,7 @@ def test_suite_configurations(llama):
     assert cache[0].key_codec.config() == plain.make_cache(llama)()[0].key_codec.config()
     assert cfg.seeded(1, 32).pre_rope
     gemma = tiny_model("gemma3", num_layers=6, hidden_size=64)
-    with pytest.raises(TypeError, match="sliding-window"):
+    with pytest.raises(ValueError, match="does not allow: the model has sliding-window layers"):
         cfg.make_cache(gemma)                  # refused when the configuration is built, not later
 
 
@@ -456,25 +456,42 @@ def test_score_bias_is_the_query_times_the_turned_mean(traditional, dims):
     assert angle_table(rope, T).shape == (T, dims)
 
 
-def test_make_prompt_cache_pre_rope_is_the_one_place_keys_go_before_rope(llama):
-    """``make_prompt_cache(pre_rope=True)`` gives what wrapping by hand gives, bit for bit;
-    the calibration search's candidates and the suite's lever build their caches through it."""
+def test_make_prompt_cache_pre_rope_is_the_one_place_keys_go_before_rope(llama, monkeypatch):
+    """``make_prompt_cache(pre_rope=True)`` gives what wrapping by hand gives, bit for bit; the
+    calibration search's candidates, the suite's lever and its calibrated fits before RoPE
+    build their caches through it (each call seen here), and a model that does not allow it
+    is refused with a ValueError before any cache is built."""
+    from turboquant import calibration, prompt_cache, suite
     from turboquant.calibration.fitting import Choice
-    from turboquant.calibration.search import candidates
+    from turboquant.calibration.search import candidate_caches
+    from turboquant.prerope import TurnedMeanCache
     x = toks(40)
     made = tq.make_prompt_cache(llama, bits=4.25, pre_rope=True)
     by_hand = pre_rope(llama, tq.make_prompt_cache(llama, bits=4.25))
     assert all(isinstance(c, PreRopeCache) for c in made)
     assert mx.array_equal(run_in_chunks(llama, x, made, [30, 1]), run_in_chunks(llama, x, by_hand, [30, 1])).item()
-    assert any(c.pre_rope for c in candidates(4.25, 32, pre_rope=True)) and Choice(4.25, 4.25, pre_rope=True).pre_rope
-    lever = CONFIGS["pre-RoPE budget K4/V4"].make_cache(llama)()
-    assert all(isinstance(c, PreRopeCache) for c in lever)
-    assert not any(isinstance(c, PreRopeCache) for c in CONFIGS["turned-mean budget K4/V4"].make_cache(llama)())
+    seen, real = [], prompt_cache.make_prompt_cache
+    spy = lambda *a, **kw: seen.append(kw.get("pre_rope", False)) or real(*a, **kw)
+    monkeypatch.setattr(suite, "make_prompt_cache", spy)
+    monkeypatch.setattr(prompt_cache, "make_prompt_cache", spy)
+    keys, values = codecs_for(4, 4, center_keys=True)
+    for make in (candidate_caches(llama, keys, values, Choice(4.25, 4.25, pre_rope=True)),
+                 CONFIGS["pre-RoPE budget K4/V4"].make_cache(llama)):
+        seen.clear()
+        assert all(isinstance(c, PreRopeCache) for c in make()) and seen == [True]
+    monkeypatch.setattr(calibration, "fit_layers", lambda stats, **fit: ([keys] * 2, [values] * 2))
+    fitted = CONFIGS["calibrated 4.25, keys before RoPE"]
+    assert fitted.fit.get("pre_rope")
+    assert all(isinstance(c, PreRopeCache) for c in fitted.make_cache(llama, stats={})())
+    assert all(isinstance(c, TurnedMeanCache) for c in CONFIGS["turned-mean budget K4/V4"].make_cache(llama)())
     with pytest.raises(TypeError, match="pre_rope must be True or False, got 'yes'"):
-        tq.make_prompt_cache(llama, bits=4.25, pre_rope="yes")
+        real(llama, bits=4.25, pre_rope="yes")
     with pytest.raises(ValueError, match="choose one"):
-        tq.make_prompt_cache(llama, bits=4.25, pre_rope=True, turned_mean=True)
+        real(llama, bits=4.25, pre_rope=True, turned_mean=True)
     with pytest.raises(ValueError, match="leave pre_rope out"):
-        tq.make_prompt_cache(llama, bits=4.25, pre_rope=True, profile={"budgets": []})
+        real(llama, bits=4.25, pre_rope=True, profile={"budgets": []})
     with pytest.raises(ValueError, match="pre_rope=True codes keys before RoPE, which a sliding-window cache"):
-        tq.make_prompt_cache(llama, bits=4.25, pre_rope=True, max_kv_size=64)
+        real(llama, bits=4.25, pre_rope=True, max_kv_size=64)
+    gemma = tiny_model("gemma3", num_layers=6, hidden_size=64)
+    with pytest.raises(ValueError, match="does not allow: the model has sliding-window layers"):
+        real(gemma, bits=4.25, pre_rope=True)

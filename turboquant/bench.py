@@ -247,16 +247,14 @@ def generation_run(model: str = "smollm2-135m", context: int = 8192, new_tokens:
         caches[f"TurboQuant_mse {b}-bit K/V, attention from codes ({kernels.backend_name()})"] = \
             make_prompt_cache(net, key_codec=key, value_codec=value)
         if pre_rope:
-            from .prerope import pre_rope as wrap
             caches[f"TurboQuant_mse {b}-bit K/V, keys before RoPE (decoded at every step)"] = \
-                wrap(net, make_prompt_cache(net, key_codec=key, value_codec=value))
+                make_prompt_cache(net, key_codec=key, value_codec=value, pre_rope=True)
         if turned_mean:
-            from .prerope import turned_mean as turn
             centred, value = codecs_for(b, b, center_keys=True)
             caches[f"TurboQuant_mse {b}-bit K/V, centred keys (mean after RoPE), from codes"] = \
                 make_prompt_cache(net, key_codec=centred, value_codec=value, sink_tokens=1)
             caches[f"TurboQuant_mse {b}-bit K/V, key mean before RoPE turned to each position, from codes"] = \
-                turn(net, make_prompt_cache(net, key_codec=centred, value_codec=value, sink_tokens=1))
+                make_prompt_cache(net, key_codec=centred, value_codec=value, sink_tokens=1, turned_mean=True)
     if progress:
         progress(f"then {new_tokens} greedy steps per cache, interleaved")
     runs = generation_tokens_per_second(net, caches, mx.array(ids, dtype=mx.int32), new_tokens, progress=progress)

@@ -19,7 +19,7 @@ from .phases import context_length
 from .fitting import WINDOW, Choice, capture_statistics, fit_layers, signature
 from .profiles import PROFILE_FORMAT, PROFILE_VERSION, ids_digest
 
-__all__ = ["candidates", "choose", "calibrate"]
+__all__ = ["candidates", "candidate_caches", "choose", "calibrate"]
 
 
 def candidates(budget: float, dim: int, pre_rope: bool = False) -> list[Choice]:
@@ -36,7 +36,9 @@ def candidates(budget: float, dim: int, pre_rope: bool = False) -> list[Choice]:
             and max(c.key_bits, c.value_bits) <= 8 and within(c.bits(dim), budget)]
 
 
-def _ppl_factory(model, keys, values, choice: Choice):
+def candidate_caches(model, keys, values, choice: Choice):
+    """The prompt-cache factory a candidate ``choice`` is scored with: its fitted ``keys`` and
+    ``values`` coders (one per layer), its sinks, and its keys before RoPE when it says so."""
     from ..prompt_cache import make_prompt_cache
     return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values, sink_tokens=choice.sink_tokens,
                                      warn_rotating=False, pre_rope=bool(choice.pre_rope))
@@ -114,7 +116,7 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
             keys, values = fit_layers(stats, choice.key_bits, choice.value_bits, choice.outliers,
                                       pre_rope=choice.pre_rope)
             try:
-                r = perplexity(model, held, _ppl_factory(model, keys, values, choice), bos=bos,
+                r = perplexity(model, held, candidate_caches(model, keys, values, choice), bos=bos,
                                window=WINDOW, progress=progress)
             except OutOfRangeError as e:        # cannot code the held-out text: not a candidate
                 tried.append({"choice": choice.fields(), "bits": choice.bits(dim), "refused": str(e)})
