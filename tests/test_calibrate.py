@@ -610,3 +610,24 @@ def test_a_profile_may_code_keys_before_rope_and_its_caches_say_so(model, profil
                       pre_rope=True, progress=False)
     with pytest.raises(TypeError, match="pre_rope must be True, False or None"):
         cal.calibrate(model, ByteTokenizer(), [4.25], name="g", text=TEXT, pre_rope="yes", progress=False)
+
+
+def test_the_generation_benchmark_times_the_profile(monkeypatch, model, profile, tmp_path):
+    """``bench generate --profile-bits`` adds the profile's caches at each budget, named by
+    where their keys are coded; a model without a profile, or a bad budget, is a ValueError."""
+    import types
+    from turboquant import bench, models
+    monkeypatch.setattr(models, "load", lambda name: (model, types.SimpleNamespace(
+        encode=lambda text, **kw: [int(c) % 250 + 1 for c in text.encode()[:4000]])))
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda: 1.0)
+    path = cal.save_profile(profile, tmp_path / "p.json")
+    out = bench.generation_run("tiny", context=48, new_tokens=2, profile_bits=[4.25], profile=str(path))
+    assert out["profile_bits"] == [4.25] and len(out["runs"]) == 3
+    label = next(n for n in out["runs"] if n.startswith("profile 4.25 bits"))
+    from turboquant.prerope import PreRopeCache
+    pre = isinstance(tq.make_prompt_cache(model, bits=4.25, profile=str(path))[0], PreRopeCache)
+    assert ("keys before RoPE" in label) == pre and out["runs"][label]["tokens_per_s"] > 0
+    with pytest.raises(ValueError, match="no calibrated profile"):
+        bench.generation_run("tiny", context=48, new_tokens=2, profile_bits=[4.25])
+    with pytest.raises(ValueError, match="profile_bits must be positive"):
+        bench.generation_run("tiny", context=48, new_tokens=2, profile_bits=[0])

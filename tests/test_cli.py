@@ -154,8 +154,11 @@ def test_help_lists_every_command(capsys):
 
 
 def test_bench_generate_refuses_bad_bits_before_loading(capsys):
-    assert cli.main(["bench", "generate", "--bits", "9"]) == 1
-    assert "bits must be an int in 1..8, got 9" in capsys.readouterr().err
+    for argv, bad in ((["--bits", "9"], "bits must be an int in 1..8, got 9"),
+                      (["--profile-bits", "0"], "profile_bits must be positive budgets")):
+        with pytest.raises(SystemExit) as e:               # usage errors, before a model loads
+            cli.main(["bench", "generate", *argv])
+        assert e.value.code == 2 and bad in capsys.readouterr().err
     for argv, bad in ((["bench", "decode", "--context", "100"], "--context"),
                       (["bench", "generate", "--tokens", "64"], "--tokens")):
         with pytest.raises(SystemExit) as e:               # sub-commands: an option of the other is unknown

@@ -215,14 +215,18 @@ def decode_record(rows: list, repeats: int) -> dict:
 
 def generation_run(model: str = "smollm2-135m", context: int = 8192, new_tokens: int = 32,
                    bits: Sequence[int] = (4,), corpus: str = "lee", progress=None, pre_rope: bool = False,
-                   turned_mean: bool = False) -> dict:
+                   turned_mean: bool = False, profile_bits: Sequence[float] = (), profile=True) -> dict:
     """``turboquant bench generate``: greedy tokens/s after ``context`` tokens of ``corpus``,
     an fp32 mlx-lm cache against TurboQuant_mse caches at each of ``bits`` (attention from
     codes), interleaved (``generation_tokens_per_second``). With ``pre_rope``, also the same
     codecs with keys coded before RoPE (``turboquant.prerope``: decoded and turned back at
     every step). With ``turned_mean``, also the same codecs with centred keys (a mean learned
     after RoPE: the budgets' rule) and with the key mean learned before RoPE and turned with
-    the position (``prerope.turned_mean``), both read from codes. A JSON-able record: the
+    the position (``prerope.turned_mean``), both read from codes. With ``profile_bits``, also
+    the model's calibrated profile at each of those budgets (``make_prompt_cache(bits=b,
+    profile=profile)``; ``profile`` True: the model's shipped one, or a dict or path):
+    calibrated coders decode every held key and value at each step (no query table), and a
+    profile entry fitted before RoPE turns the decoded keys back too. A JSON-able record: the
     runs, the model, the back-end and the machine."""
     import os
     import platform
@@ -237,6 +241,9 @@ def generation_run(model: str = "smollm2-135m", context: int = 8192, new_tokens:
     from .prompt_cache import make_prompt_cache
     for b in bits:
         TurboQuantMSE(64, b)                                  # bad bits fail before a model loads
+    for b in profile_bits:
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0:
+            raise ValueError(f"profile_bits must be positive budgets in bits per coordinate, got {b!r}")
     net, tokenizer = load(model)
     ids = encode_text(tokenizer, load_text(corpus), context)
     if len(ids) < context:
@@ -255,10 +262,16 @@ def generation_run(model: str = "smollm2-135m", context: int = 8192, new_tokens:
                 make_prompt_cache(net, key_codec=centred, value_codec=value, sink_tokens=1)
             caches[f"TurboQuant_mse {b}-bit K/V, key mean before RoPE turned to each position, from codes"] = \
                 make_prompt_cache(net, key_codec=centred, value_codec=value, sink_tokens=1, turned_mean=True)
+    for b in profile_bits:
+        from .prerope import PreRopeCache
+        cache = make_prompt_cache(net, bits=b, profile=profile)
+        where = "keys before RoPE, " if isinstance(cache[0], PreRopeCache) else ""
+        caches[f"profile {b:g} bits ({where}decoded at every step)"] = cache
     if progress:
         progress(f"then {new_tokens} greedy steps per cache, interleaved")
     runs = generation_tokens_per_second(net, caches, mx.array(ids, dtype=mx.int32), new_tokens, progress=progress)
     return {"kind": "greedy generation", "model": model, "context": context, "new_tokens": new_tokens,
-            "pre_rope": pre_rope, "turned_mean": turned_mean, "corpus": corpus, "runs": runs,
+            "pre_rope": pre_rope, "turned_mean": turned_mean, "profile_bits": list(profile_bits),
+            "corpus": corpus, "runs": runs,
             "layers": cache_count(net), "backend": kernels.backend_name(), "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "bandwidth_gb_s": memory_bandwidth()}

@@ -506,8 +506,12 @@ def _bench_decode(args) -> int:
 def _bench_generate(args) -> int:
     from .bench import generation_run
     say = None if args.quiet else lambda m: print(m + " ...", file=sys.stderr, flush=True)
-    result = generation_run(args.model, args.context, args.new_tokens, args.bits, args.corpus, progress=say,
-                            pre_rope=args.pre_rope, turned_mean=args.turned_mean)
+    try:
+        result = generation_run(args.model, args.context, args.new_tokens, args.bits, args.corpus, progress=say,
+                                pre_rope=args.pre_rope, turned_mean=args.turned_mean,
+                                profile_bits=args.profile_bits or ())
+    except ValueError as e:                 # a corpus too short, a model without a profile, …
+        args.parser.error(str(e))
     runs = result["runs"]
     base = next(iter(runs.values()))["tokens_per_s"]
     print(f"greedy decoding after {args.context} tokens of {args.corpus}, {args.new_tokens} steps per cache "
@@ -790,6 +794,9 @@ def main(argv=None) -> int:
     bg.add_argument("--turned-mean", action="store_true",
                     help="also the same codecs with centred keys, the mean learned after RoPE and before it "
                          "(turned to each position), both read from codes")
+    bg.add_argument("--profile-bits", type=float, nargs="+", default=None, metavar="BITS",
+                    help="also the model's calibrated profile at these budgets (its coders decode every key "
+                         "at each step)")
     bg.add_argument("--out", default=None, help="write the results as JSON here")
     bg.add_argument("--quiet", action="store_true", help="no progress lines")
     bg.set_defaults(run=_bench_generate)
