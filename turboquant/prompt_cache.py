@@ -193,11 +193,14 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
         key_codec, value_codec, sink_tokens, before_rope = _budget(bits, dim, key_codec, value_codec, sink_tokens,
                                                                    model, profile)
         before_rope = before_rope or pre_rope
-    if before_rope:
+    if before_rope:                                # refused before any cache is built
+        what = "pre_rope=True" if pre_rope else f"the profile's configuration at {bits:g} bits"
         refusal = pre_rope_refusal(model)
         if refusal:
-            what = "pre_rope=True" if pre_rope else f"the profile's configuration at {bits:g} bits"
             raise ValueError(f"{what} codes keys before RoPE, which this model does not allow: {refusal}")
+        if max_kv_size is not None:
+            raise ValueError(f"{what} codes keys before RoPE, which a sliding-window cache cannot hold (its "
+                             "slots do not keep positions in order): leave out max_kv_size")
     reference = _mlx_reference(model, max_kv_size)
     out = []
     for i, c in enumerate(reference):
@@ -212,10 +215,6 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
             out.append(TurboQuantKVCache(kc, vc, fp_window=fp_window, sink_tokens=sink_tokens))
         else:
             out.append(c)
-    if before_rope and max_kv_size is not None:
-        what = "pre_rope=True" if pre_rope else f"the profile's configuration at {bits:g} bits"
-        raise ValueError(f"{what} codes keys before RoPE, which a sliding-window cache cannot hold (its slots "
-                         "do not keep positions in order): leave out max_kv_size")
     if warn_rotating:
         _warn_rotating(out, fp_window, sink_tokens)
     if before_rope:                                # key coders fitted (or tried) before RoPE
