@@ -70,10 +70,11 @@ def small_ring(model, size=12):
 
 
 def test_budget_cache_batched_equals_alone(smol):
-    # 4.25 bits: centered keys (a mean learnt per sequence from its first tokens) and an exact sink
+    # 4.25 bits, the centred rule: centered keys (a mean learnt per sequence from its first tokens
+    # after RoPE) and an exact sink; the default (the mean turned with each position) below
     model, tok = smol
     ids = [tok.encode(p) for p in PROMPTS]
-    r = check_equal(model, tok, ids, lambda: make_prompt_cache(model, bits=4.25))
+    r = check_equal(model, tok, ids, lambda: make_prompt_cache(model, bits=4.25, turned_mean=False))
     # what comes back is each sequence's own cache, holding the prompt and the generated tokens
     # (as mlx-lm's own caches do after batch_generate)
     for i, p in enumerate(ids):
@@ -104,7 +105,7 @@ def test_caches_around_rope_batched_equal_alone(smol, wrap, kind):
     # Decoded and from codes.
     model, tok = smol
     ids = [tok.encode(p) for p in PROMPTS]
-    make = lambda: wrap(model, make_prompt_cache(model, bits=3.25))             # noqa: E731
+    make = lambda: wrap(model, make_prompt_cache(model, bits=3.25, turned_mean=False))   # noqa: E731
     r = check_equal(model, tok, ids, make)
     assert all(isinstance(c, kind) for c in r.caches[0])
     assert [c[0].offset for c in r.caches] == [len(p) + N_NEW for p in ids]
@@ -197,11 +198,11 @@ def test_rows_receive_exactly_their_tokens(smol, kind):
         c.group = None
         return c
     def turned():                          # the key mean learned before RoPE (a row of 5 tokens still learns it)
-        return TurnedMeanCache(layer(bits=4.25), rope_of(model)[0])
-    make = {"budget": lambda: layer(bits=4.25),
+        return TurnedMeanCache(layer(bits=4.25, turned_mean=False), rope_of(model)[0])
+    make = {"budget": lambda: layer(bits=4.25, turned_mean=False),
             "recent": lambda: layer(key_codec=None, fp_window=4, sink_tokens=2),
             "ring": lambda: TurboQuantRotatingKVCache(8, kc, vc), "turned": turned,
-            "pre": lambda: PreRopeCache(layer(bits=4.25), rope_of(model)[0])}[kind]
+            "pre": lambda: PreRopeCache(layer(bits=4.25, turned_mean=False), rope_of(model)[0])}[kind]
     batch, alone, worst = _rows_alone_and_batched(make, [5, 23, 14], N=6, steps=12)
     assert worst == 0.0
     for row, a in zip(batch.rows, alone):
@@ -216,7 +217,7 @@ def test_merge_and_extract_copy_codes_bit_for_bit(smol):
     model, tok = smol
     caches = []
     for p in PROMPTS:
-        c = make_prompt_cache(model, bits=4.25)
+        c = make_prompt_cache(model, bits=4.25, turned_mean=False)    # plain layers: codes held directly
         model(mx.array(tok.encode(p))[None], cache=c)
         caches.append(c)
     before = [copy.deepcopy(c[3]) for c in caches]
@@ -261,13 +262,13 @@ def test_left_padding_matches_the_unpadded_logits(smol):
 
 def test_bad_use_is_refused(smol):
     model, _ = smol
-    plain = make_prompt_cache(model, bits=4.25)[0]
+    plain = make_prompt_cache(model, bits=4.25, turned_mean=False)[0]
     ring = small_ring(model)[0]
     with pytest.raises(TypeError, match="single kind"):
         BatchCodesCache([plain, ring])
     with pytest.raises(TypeError, match="single kind"):
         BatchCodesCache([])
-    turned = turned_mean(model, make_prompt_cache(model, bits=4.25))[0]
+    turned = make_prompt_cache(model, bits=4.25)[0]                 # the default turns the key mean
     with pytest.raises(TypeError, match="single kind"):
         BatchCodesCache([plain, turned])
     with pytest.raises(TypeError, match="cannot extend a batch of TurboQuantKVCache with TurnedMeanCache"):

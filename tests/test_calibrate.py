@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import turboquant as tq
+from turboquant.prerope import TurnedMeanCache
 from turboquant import calibration as cal
 from turboquant.codecs import Centered
 from turboquant.codecs.transform import TransformCoder
@@ -141,9 +142,11 @@ def test_make_prompt_cache_uses_the_profile(model, profile, tmp_path, monkeypatc
     logits = model(mx.array([[5, 6, 7, 8]]), cache=cache)
     assert mx.all(mx.isfinite(logits)).item()
     # by default, and with profile=False: the uncalibrated budgets of Chapter 9, whose loss
-    # varies little across the domains Chapter 10 measures (the profile's does)
+    # varies little across the domains Chapter 10 measures (the profile's does), their key
+    # mean turned with each position (Chapter 10); turned_mean=False: the centred rule
     for plain in (tq.make_prompt_cache(model, bits=4.25), tq.make_prompt_cache(model, bits=4.25, profile=False)):
-        assert isinstance(plain[0].key_codec, Centered)
+        assert isinstance(plain[0], TurnedMeanCache) and not isinstance(plain[0].inner.key_codec, TransformCoder)
+    assert isinstance(tq.make_prompt_cache(model, bits=4.25, turned_mean=False)[0].key_codec, Centered)
     # an explicit profile path works too, and a too-small budget is refused with the smallest
     assert isinstance(tq.make_prompt_cache(model, bits=4.25, profile=str(path))[0].key_codec, TransformCoder)
     with pytest.raises(ValueError, match="no configuration within 2.0 bits"):
@@ -270,7 +273,7 @@ def test_a_calibrated_cache_file_carries_its_coders_as_tensors(model, profile, t
     text (38.5 MB for 18 tokens on SmolLM2). Now the arrays are tensors, each stored once."""
     monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
     cal.save_profile(profile, cal.profile_path("tiny"))
-    cache = tq.make_prompt_cache(model, bits=4.25)
+    cache = tq.make_prompt_cache(model, bits=4.25, profile=True)
     model(mx.array([list(range(5, 23))]), cache=cache)
     path = tmp_path / "c.safetensors"
     tq.save_prompt_cache(path, cache)

@@ -52,7 +52,7 @@ def test_inside_codes_attention_it_decodes(llama):
     decoded keys and values (the layer attends as for an exact cache) and the model's output is
     the one it gives outside, while the plain caches beside it still return codes."""
     x = toks(40, seed=1)
-    make = lambda: pre_rope(llama, tq.make_prompt_cache(llama, bits=4.25))
+    make = lambda: pre_rope(llama, tq.make_prompt_cache(llama, bits=4.25, turned_mean=False))
     plain = run_in_chunks(llama, x, make(), [30, 1, 1, 8])
     with tq.codes_attention(llama):
         inside = run_in_chunks(llama, x, make(), [30, 1, 1, 8])
@@ -60,7 +60,7 @@ def test_inside_codes_attention_it_decodes(llama):
     with returning_codes():
         k, v = make()[0].update_and_fetch(mx.ones((1, 2, 3, 32)), mx.ones((1, 2, 3, 32)))
         assert isinstance(k, mx.array) and k.shape == (1, 2, 3, 32)
-        assert not isinstance(tq.make_prompt_cache(llama, bits=4.25)[0].update_and_fetch(
+        assert not isinstance(tq.make_prompt_cache(llama, bits=4.25, turned_mean=False)[0].update_and_fetch(
             mx.ones((1, 2, 3, 32)), mx.ones((1, 2, 3, 32)))[0], mx.array)
 
 
@@ -126,7 +126,7 @@ def test_suite_configurations(llama):
 def test_the_decode_benchmark_times_it_beside_codes(llama):
     from turboquant.bench import generation_tokens_per_second
     caches = {"codes": tq.make_prompt_cache(llama, bits=4.25),
-              "before RoPE": pre_rope(llama, tq.make_prompt_cache(llama, bits=4.25))}
+              "before RoPE": pre_rope(llama, tq.make_prompt_cache(llama, bits=4.25, turned_mean=False))}
     out = generation_tokens_per_second(llama, caches, toks(64, seed=2)[0], new_tokens=2, chunk=32)
     assert set(out) == {"codes", "before RoPE"} and all(r["tokens_per_s"] > 0 for r in out.values())
     assert caches["before RoPE"][0].offset == 64 + 2 == caches["codes"][0].offset
@@ -335,7 +335,7 @@ def test_turned_mean_refusals(llama):
         tq.make_prompt_cache(llama, turned_mean=True)
     with pytest.raises(ValueError, match="leave profile out"):
         tq.make_prompt_cache(llama, bits=4.25, profile=True, turned_mean=True)
-    with pytest.raises(TypeError, match="turned_mean must be True or False"):
+    with pytest.raises(TypeError, match="turned_mean must be None"):
         tq.make_prompt_cache(llama, bits=4.25, turned_mean=1)
 
 
@@ -467,7 +467,7 @@ def test_make_prompt_cache_pre_rope_is_the_one_place_keys_go_before_rope(llama, 
     from turboquant.prerope import TurnedMeanCache
     x = toks(40)
     made = tq.make_prompt_cache(llama, bits=4.25, pre_rope=True)
-    by_hand = pre_rope(llama, tq.make_prompt_cache(llama, bits=4.25))
+    by_hand = pre_rope(llama, tq.make_prompt_cache(llama, bits=4.25, turned_mean=False))
     assert all(isinstance(c, PreRopeCache) for c in made)
     assert mx.array_equal(run_in_chunks(llama, x, made, [30, 1]), run_in_chunks(llama, x, by_hand, [30, 1])).item()
     seen, real = [], prompt_cache.make_prompt_cache
@@ -495,3 +495,43 @@ def test_make_prompt_cache_pre_rope_is_the_one_place_keys_go_before_rope(llama, 
     gemma = tiny_model("gemma3", num_layers=6, hidden_size=64)
     with pytest.raises(ValueError, match="does not allow: the model has sliding-window layers"):
         real(gemma, bits=4.25, pre_rope=True)
+
+
+def test_the_turned_mean_is_the_default_of_a_budget_where_the_model_allows_it(llama):
+    """``make_prompt_cache(model, bits=b)`` turns the key mean (``turned_mean=None``): bit for bit
+    the cache of ``turned_mean=True``; ``False`` keeps the centred rule. Where the model does not
+    allow it (a RoPE that is not ``nn.RoPE``, ``max_kv_size``, a profile, keys before RoPE) the
+    default is the centred rule and ``True`` is refused with the reason, before any cache is
+    built. Wrapping the default again by hand gives it back (turned_mean) or names the fix
+    (pre_rope)."""
+    from turboquant.prerope import TurnedMeanCache, turned_mean
+    x = toks(40, seed=9)
+    default, asked = tq.make_prompt_cache(llama, bits=3.25), tq.make_prompt_cache(llama, bits=3.25, turned_mean=True)
+    centred = tq.make_prompt_cache(llama, bits=3.25, turned_mean=False)
+    assert all(isinstance(c, TurnedMeanCache) for c in default)
+    assert all(type(c) is tq.TurboQuantKVCache for c in centred)
+    a, b = run_in_chunks(llama, x, default, [30, 1, 9]), run_in_chunks(llama, x, asked, [30, 1, 9])
+    assert mx.array_equal(a, b).item()
+    assert not mx.array_equal(a, run_in_chunks(llama, x, centred, [30, 1, 9])).item()
+    fresh = tq.make_prompt_cache(llama, bits=4.25)
+    assert turned_mean(llama, fresh) is fresh
+    with pytest.raises(TypeError, match="already a TurnedMeanCache.*turned_mean=False"):
+        pre_rope(llama, tq.make_prompt_cache(llama, bits=4.25))
+    ring = tq.make_prompt_cache(llama, bits=4.25, max_kv_size=64, warn_rotating=False)
+    assert all(type(c) is tq.TurboQuantRotatingKVCache for c in ring)
+    with pytest.raises(ValueError, match="turned_mean=True needs RoPE positions in order.*max_kv_size"):
+        tq.make_prompt_cache(llama, bits=4.25, max_kv_size=64, turned_mean=True)
+    assert all(isinstance(c, PreRopeCache) for c in tq.make_prompt_cache(llama, bits=4.25, pre_rope=True))
+
+    class OtherRope(nn.RoPE):                  # a RoPE variant the wrappers do not know
+        pass
+    other = tiny_model("llama", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2)
+    other.layers[1].self_attn.rope = OtherRope(32)
+    assert all(type(c) is tq.TurboQuantKVCache for c in tq.make_prompt_cache(other, bits=4.25))
+    with pytest.raises(ValueError, match="turned_mean=True needs RoPE.*layer 1's attention has RoPE OtherRope"):
+        tq.make_prompt_cache(other, bits=4.25, turned_mean=True)
+    gemma = tiny_model("gemma3", num_layers=6, hidden_size=64)
+    kinds = [type(c).__name__ for c in tq.make_prompt_cache(gemma, bits=4.25, warn_rotating=False)]
+    assert kinds == ["TurboQuantRotatingKVCache"] * 5 + ["TurnedMeanCache"], kinds
+    assert [type(c).__name__ for c in tq.make_prompt_cache(tiny_model("gemma3", num_layers=3, hidden_size=64),
+                                                           bits=4.25, warn_rotating=False)] == ["TurboQuantRotatingKVCache"] * 3

@@ -69,13 +69,15 @@ def test_compression_costs_perplexity_in_order_of_bits(smol, wiki):
 
 def test_budget_cache_is_centered_with_a_sink_and_within_budget(smol, wiki):
     model = smol[0]
-    cache = make_prompt_cache(model, bits=4.25, profile=False)
+    cache = make_prompt_cache(model, bits=4.25, turned_mean=False)    # the centred rule
     assert isinstance(cache[0].key_codec, Centered) and cache[0].sink_tokens == 1    # before its first update
     assert cache[0].key_codec.inner.bits == 4 and cache[0].value_codec.bits == 4
-    r = perplexity(model, wiki[:512], lambda: make_prompt_cache(model, bits=4.25, profile=False))
-    # + one fp32 sink and the FIT_TOKENS exact tokens the mean is fitted on, of 512
-    assert abs(r["bits"] - (4.25 + 32 * (1 + FIT_TOKENS) / 512)) < 1e-9
-    assert make_prompt_cache(model, bits=3.3, profile=False)[0].key_codec.inner.bits == 3
+    # + one fp32 sink and the FIT_TOKENS exact tokens the mean is fitted on, of 512: the
+    # centred rule and the default (the mean turned with each position) hold the same bytes
+    for turned in (False, None):
+        r = perplexity(model, wiki[:512], lambda t=turned: make_prompt_cache(model, bits=4.25, turned_mean=t))
+        assert abs(r["bits"] - (4.25 + 32 * (1 + FIT_TOKENS) / 512)) < 1e-9
+    assert make_prompt_cache(model, bits=3.3, turned_mean=False)[0].key_codec.inner.bits == 3
     with pytest.raises(ValueError, match="smallest"):
         make_prompt_cache(model, bits=1.5, profile=False)
     with pytest.raises(ValueError, match="not both"):

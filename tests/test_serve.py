@@ -29,18 +29,19 @@ def smol():
 def test_install_caches_makes_mlx_lm_build_turboquant_caches(smol):
     model, _ = smol
     try:
-        install_caches(model, bits=4.25)
+        install_caches(model, bits=4.25, turned_mean=False)   # the centred rule
         cache = mlx_make_prompt_cache(model)          # what mlx-lm's generate, batch generator and server call
         assert all(type(c) is TurboQuantKVCache for c in cache) and batchable(cache)
         assert cache[0].sink_tokens == 1
-        install_caches(model, bits=3.25)              # again: replaces the options, no recursion
+        install_caches(model, bits=3.25, turned_mean=False)   # again: replaces the options, no recursion
         assert mlx_make_prompt_cache(model)[0].key_codec.config()["inner"]["bits"] == 3
         with pytest.raises(ValueError, match="bits"):
             install_caches(model, bits=0.5)           # bad options fail at once, the installed ones stay
         assert mlx_make_prompt_cache(model)[0].key_codec.config()["inner"]["bits"] == 3
-        install_caches(model, bits=3.25, turned_mean=True)    # the key mean before RoPE: batchable too
+        install_caches(model, bits=3.25)              # the default: the key mean before RoPE, batchable too
         cache = mlx_make_prompt_cache(model)
         assert all(type(c) is TurnedMeanCache for c in cache) and batchable(cache)
+        assert cache[0].inner.key_codec.config()["bits"] == 3
     finally:
         model.__dict__.pop("make_cache", None)
     assert not any(isinstance(c, TurboQuantKVCache) for c in mlx_make_prompt_cache(model))
@@ -51,12 +52,12 @@ def test_install_caches_keeps_the_sliding_layers():
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        cache = install_caches(model, bits=4.25)
+        cache = install_caches(model, bits=4.25, turned_mean=False)
         kinds = [type(c) for c in cache]
         assert kinds.count(TurboQuantRotatingKVCache) == 15 and kinds.count(TurboQuantKVCache) == 3
         assert all(c.max_size == 512 and c.keep == 0 for c in cache if isinstance(c, TurboQuantRotatingKVCache))
         assert batchable(cache)
-        turned = install_caches(model, bits=4.25, turned_mean=True)   # the global layers only
+        turned = install_caches(model, bits=4.25)     # the default turns the global layers' mean only
         assert [type(c) for c in turned] == [TurnedMeanCache if k is TurboQuantKVCache else k for k in kinds]
         assert batchable(turned)
         # make_prompt_cache still reads the model's own layout: max_kv_size rings (keep=4) are not batched
@@ -85,13 +86,13 @@ def _post(port: int, body, timeout=120):
         return r.status, r.read().decode()
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["budget", "turned-mean"])
+@pytest.fixture(scope="module", params=[False, None], ids=["centred", "default"])
 def server(request):
-    """``turboquant serve --bits 4.25`` (and with ``--turned-mean``) on a free loopback port,
-    started and stopped as the load test does it (``loadtest.start_server``); yields (port,
-    turned_mean)."""
+    """``turboquant serve --bits 4.25`` (the default: the key mean turned with each position) and
+    with ``--no-turned-mean`` (the centred rule) on a free loopback port, started and stopped as
+    the load test does it (``loadtest.start_server``); yields (port, turned_mean)."""
     from turboquant.loadtest import start_server
-    args = ("--bits", "4.25") + (("--turned-mean",) if request.param else ())
+    args = ("--bits", "4.25") + (("--no-turned-mean",) if request.param is False else ())
     srv = start_server("smollm2-135m", "turboquant", cache_args=args, max_tokens=N_TOKENS)
     try:
         yield srv.port, request.param
@@ -99,7 +100,7 @@ def server(request):
         srv.stop()
 
 
-def _expected(smol, question: str, turned_mean: bool = False) -> str:
+def _expected(smol, question: str, turned_mean=None) -> str:
     """The answer alone, in-process, through the same cache (the server batches: see
     ``check_equal`` in tests/test_batch.py for why that is comparable token for token)."""
     model, tok = smol

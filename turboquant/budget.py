@@ -18,6 +18,14 @@ share is what the measurements showed:
 * keys get at least as many bits as values: the softmax amplifies key error, values are
   averaged.
 
+``make_prompt_cache(model, bits=b)`` builds ``pick(b)``'s codecs and, wherever the model
+allows it, learns the key mean before RoPE and turns it with each position
+(``prerope.turned_mean``, Chapter 10): the same codes, bits and sink; against the mean
+learned after RoPE better beyond the interval in 14 of 18 recorded comparisons (SmolLM2,
+Qwen2.5-Coder), indistinguishable in the other 4 (Gemma 3, whose sliding-window layers keep
+the mean after RoPE, and Qwen on news at 4.25 bits), worse in none. The rows measured here, and
+every recorded row named ``budget …``, learn the mean after RoPE (``turned_mean=False``).
+
 Each configuration carries its measured perplexity increase over fp32 (SmolLM2-135M, 4096
 Wikipedia tokens, 512-token windows, three rotation seeds: the recorded run ``book/results/eval_full.json``, which
 a test checks these numbers against). ``pick(bits)`` returns the configuration with the

@@ -101,14 +101,17 @@ def _model(args) -> int:
 def _check_profile_flags(args) -> None:
     """--profile's rules, one home for generate, chat and serve: it chooses the configuration
     for --bits (default: the default budget), so it refuses --key-bits/--value-bits/--codec and
-    --turned-mean (which wraps the uncalibrated budgets), and a profile path must be a file."""
+    --turned-mean/--no-turned-mean (which say where the uncalibrated budgets learn their key
+    mean), and a profile path must be a file."""
     if args.profile is None:
         return
     if args.key_bits or args.value_bits or args.codec:
         args.parser.error("argument --profile: it chooses the configuration for --bits, not for "
                           "--key-bits/--value-bits/--codec")
-    if args.turned_mean:
-        args.parser.error("argument --turned-mean: it wraps the uncalibrated budgets, not a --profile")
+    if args.turned_mean is not None:
+        flag = "--turned-mean" if args.turned_mean else "--no-turned-mean"
+        args.parser.error(f"argument {flag}: it says where the uncalibrated budgets learn their key mean, not "
+                          "a --profile's")
     if args.bits is None:
         from .generate import DEFAULT_BITS
         args.bits = DEFAULT_BITS                          # the default budget, from the profile
@@ -125,7 +128,8 @@ def _load_for_generation(args):
     from .generate import cache_options, new_cache
     from .models import load
     set_ = [f"--{n.replace('_', '-')}" for n in ("bits", "key_bits", "value_bits", "codec", "max_kv_size", "profile")
-            if getattr(args, n) is not None] + (["--turned-mean"] if args.turned_mean else [])
+            if getattr(args, n) is not None] + ([] if args.turned_mean is None else
+                                                ["--turned-mean" if args.turned_mean else "--no-turned-mean"])
     if getattr(args, "load_cache", None) and set_:
         args.parser.error(f"--load-cache restores the saved cache with its own codecs: {', '.join(set_)} "
                           "would contradict it")
@@ -141,7 +145,9 @@ def _load_for_generation(args):
     if getattr(args, "load_cache", None):  # the saved cache, with its own codecs (none were given)
         return model, tok, new_cache(model, options, args.load_cache)
     if "bits" in options:                # a budget below every measured configuration is a usage error
-        turned = options.pop("turned_mean", False)
+        turned = options.pop("turned_mean", None)
+        if turned is not None:           # asked for: wrapped below, so that a refusal names the flag
+            options["turned_mean"] = False
         try:
             cache = new_cache(model, options)
         except ValueError as e:
@@ -186,7 +192,7 @@ def _chat(args) -> int:
 
 def _cache_arguments(p) -> None:
     g = p.add_argument_group("cache (choose one; default --bits 4.25: centered 4-bit keys, 4-bit values, "
-                             "one exact sink token)")
+                             "one exact sink token, the key mean turned with each position)")
     g.add_argument("--bits", type=_bits, default=None, help="a budget in bits per coordinate, side information "
                    "included: the best measured configuration within it (Chapter 9)")
     g.add_argument("--profile", nargs="?", const=True, default=None, metavar="PATH",
@@ -197,9 +203,10 @@ def _cache_arguments(p) -> None:
     g.add_argument("--value-bits", type=_int_in(1, 8), default=None, help="TurboQuant_mse bits for values (1..8)")
     g.add_argument("--codec", default=None, help="a codec config as JSON, or a JSON file (keys and values)")
     g.add_argument("--max-kv-size", type=_int_at_least(1), default=None, help="keep at most this many tokens per layer")
-    g.add_argument("--turned-mean", action="store_true", help="with --bits (default 4.25): learn the key mean "
-                   "before RoPE and turn it with each position (no calibration; better than the plain budget on "
-                   "every domain measured, Chapter 10)")
+    g.add_argument("--turned-mean", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --bits (default 4.25): learn the key mean before RoPE and turn it with each position "
+                        "(no calibration; the default wherever the model allows it, Chapter 10); "
+                        "--no-turned-mean learns it after RoPE (Chapter 9's centred rule)")
 
 
 def _calibrate(args) -> int:
@@ -527,7 +534,7 @@ def _serve(args) -> int:
     import shlex
     from .generate import cache_options
     from .serve import serve, serve_plain
-    if args.plain and (args.turned_mean or any(getattr(args, n) is not None
+    if args.plain and (args.turned_mean is not None or any(getattr(args, n) is not None
                                                for n in ("bits", "key_bits", "value_bits", "codec", "profile"))):
         args.parser.error("argument --plain: mlx-lm's own uncompressed caches; no cache option applies")
     if args.max_kv_size is not None:

@@ -24,30 +24,38 @@ DEFAULT_BITS = 4.25   # what generate/chat use when no cache option is given
 
 
 def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, value_bits: Optional[int] = None,
-                  codec: Optional[str] = None, max_kv_size: Optional[int] = None, turned_mean: bool = False) -> dict:
+                  codec: Optional[str] = None, max_kv_size: Optional[int] = None,
+                  turned_mean: Optional[bool] = None) -> dict:
     """``make_prompt_cache`` keyword arguments from the CLI's options. At most one of
     ``bits`` (a budget including side information), ``key_bits``/``value_bits``
     (TurboQuant_mse index bits; the other side defaults to the same) and ``codec`` (a codec
     config as JSON text or a JSON file, for keys and values); none means ``bits=4.25``, the
     uncalibrated budget (``turboquant.budget``: centered 4-bit keys, 4-bit values, one exact
-    sink token).
+    sink token; the key mean learned before RoPE and turned with each position wherever the
+    model allows it, ``make_prompt_cache``'s default).
 
     Not plain TurboQuant_mse at 4 bits: on Qwen2.5-Coder-1.5B it turns code perplexity
     from 2.8 into thousands (Chapter 12: one layer's keys are nearly a single shared
     vector, which a rotation cannot spread); centering removes that shared part.
 
-    ``turned_mean`` (``--turned-mean``): the budget's key mean learned before RoPE
-    (``make_prompt_cache(turned_mean=True)``); with a budget only, not with a sliding window."""
+    ``turned_mean``: None (neither flag) leaves ``make_prompt_cache``'s default; True
+    (``--turned-mean``) asks for the key mean learned before RoPE, refused where the model does
+    not allow it; False (``--no-turned-mean``) keeps the mean learned after RoPE (Chapter 9's
+    centred rule). Either flag goes with a budget only, and ``--turned-mean`` not with a
+    sliding window."""
     chosen = [n for n, v in (("--bits", bits), ("--key-bits/--value-bits", key_bits or value_bits),
                              ("--codec", codec)) if v]
     if len(chosen) > 1:
         raise ValueError(f"choose one way to set the cache: {' and '.join(chosen)} contradict each other")
-    if turned_mean:
+    if turned_mean is not None:
+        flag = "--turned-mean" if turned_mean else "--no-turned-mean"
         if chosen and chosen != ["--bits"]:
-            raise ValueError(f"--turned-mean wraps a budget's centred keys (--bits), not {chosen[0]}")
-        if max_kv_size is not None:
+            raise ValueError(f"{flag} says where a budget's centred keys learn their mean (--bits), not for "
+                             f"{chosen[0]}")
+        if turned_mean and max_kv_size is not None:
             raise ValueError("--turned-mean wraps plain layers; --max-kv-size makes every layer a sliding window")
-        return {**cache_options(bits=DEFAULT_BITS if bits is None else bits), "turned_mean": True}
+        return {**cache_options(bits=DEFAULT_BITS if bits is None else bits, max_kv_size=max_kv_size),
+                "turned_mean": turned_mean}
     opts: dict = {"max_kv_size": max_kv_size}
     if codec:
         from .codecs.base import from_config, with_dim

@@ -115,6 +115,10 @@ def _refuse_wrapping(name: str, inner, rope) -> None:
     """What both wrappers of this module refuse: anything but an empty plain
     ``TurboQuantKVCache`` (a sliding-window cache's slots do not hold positions in order), or a
     ``rope`` that is not a ``Rope``."""
+    if isinstance(inner, _Wrapper):
+        raise TypeError(f"{name} wraps a plain TurboQuantKVCache; this layer is already a {type(inner).__name__} "
+                        "(make_prompt_cache(model, bits=…) turns the key mean by default: pass turned_mean=False "
+                        "for the centred cache, or pre_rope=True for keys before RoPE)")
     if isinstance(inner, TurboQuantRotatingKVCache) or not isinstance(inner, TurboQuantKVCache):
         raise TypeError(f"{name} wraps a plain TurboQuantKVCache, got {type(inner).__name__} "
                         "(sliding-window layers are not supported)")
@@ -133,6 +137,12 @@ class _Wrapper(CacheBase):
     keeps the check among the copies."""
 
     _peers = _index = None                      # the prompt cache's members, this one's place
+
+    @property
+    def fitted_positions(self):
+        """Positions the inner cache's key coders were fitted for, or None when they carry no
+        limit (every key coder that is not fitted after RoPE)."""
+        return self.inner.fitted_positions
 
     def join_group(self, group: dict, index: int, n_layers: int) -> None:
         """Become layer ``index`` of ``group`` (``cache.tag_group``)."""
@@ -599,11 +609,15 @@ def turned_mean(model, cache: list) -> list:
     codes still read by attention from codes. Sliding-window layers (Gemma 3's local layers:
     their ring's slots do not hold positions in order) are kept as they are, their mean learned
     after RoPE; a cache with no plain layer is refused. The caches given are taken over (use
-    the list returned)."""
+    the list returned). A cache whose plain layers are all ``TurnedMeanCache`` already (what
+    ``make_prompt_cache(model, bits=…)`` now makes by default) is returned as it is."""
     ropes = rope_of(model)
     if len(ropes) != len(cache):
         raise ValueError(f"the cache has {len(cache)} layers, the model {len(ropes)}")
     plain = [not isinstance(c, TurboQuantRotatingKVCache) for c in cache]
+    if any(isinstance(c, TurnedMeanCache) for c in cache) and \
+            all(isinstance(c, TurnedMeanCache) for c, p in zip(cache, plain) if p):
+        return cache                                # turned already (the default of make_prompt_cache)
     if not any(plain):
         raise ValueError("turned_mean wraps plain (global) layers; every layer of this cache is a sliding-window "
                          f"{type(cache[0]).__name__}")
