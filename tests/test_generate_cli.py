@@ -100,3 +100,16 @@ def test_chat_keeps_one_cache_and_prefills_only_the_new_turn(name):
     with codes_attention(model):
         alone = generate(model, tok, prompt, max_tokens=8, prompt_cache=new_cache(model, cache_options(key_bits=4)))
     assert msgs[1]["content"].strip() == alone.strip()
+
+
+def test_a_refused_turned_mean_names_its_flag(monkeypatch, capsys):
+    """--turned-mean on a model that does not allow it (here: made to refuse) is a usage error
+    naming the flag and the reason; without the flag the same model gets the centred rule."""
+    from turboquant import prompt_cache
+    monkeypatch.setattr(prompt_cache, "turned_mean_refusal", lambda model, max_kv_size=None: "no nn.RoPE here")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "x", "--max-tokens", "1", "--turned-mean"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --turned-mean: turned_mean=True needs RoPE positions in order, which " \
+        "this cache cannot have: no nn.RoPE here" in err and "Traceback" not in err
+    assert main(["generate", "--prompt", "x", "--max-tokens", "1"]) == 0

@@ -145,22 +145,14 @@ def _load_for_generation(args):
     if getattr(args, "load_cache", None):  # the saved cache, with its own codecs (none were given)
         return model, tok, new_cache(model, options, args.load_cache)
     if "bits" in options:                # a budget below every measured configuration is a usage error
-        turned = options.pop("turned_mean", None)
-        if turned is not None:           # asked for: wrapped below, so that a refusal names the flag
-            options["turned_mean"] = False
         try:
-            cache = new_cache(model, options)
+            return model, tok, new_cache(model, options)
         except ValueError as e:
             if "profile" in options:
                 args.parser.error(f"argument --profile: {str(e).replace('profile=True: ', '')}")
+            if options.get("turned_mean") and str(e).startswith("turned_mean=True"):
+                args.parser.error(f"argument --turned-mean: {e}")   # e.g. a RoPE that is not mlx's nn.RoPE
             args.parser.error(f"argument --bits: {e}")
-        if turned:                       # e.g. a model whose RoPE is not mlx's nn.RoPE
-            from .prerope import turned_mean
-            try:
-                cache = turned_mean(model, cache)
-            except (TypeError, ValueError) as e:
-                args.parser.error(f"argument --turned-mean: {e}")
-        return model, tok, cache
     return model, tok, new_cache(model, options, getattr(args, "load_cache", None))
 
 

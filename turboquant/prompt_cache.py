@@ -95,14 +95,22 @@ def _mlx_reference(model, max_kv_size: Optional[int]) -> list:
     return mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
 
 
-def pre_rope_refusal(model) -> "str | None":
-    """Why ``model``'s keys cannot be coded before RoPE (a RoPE variant other than ``nn.RoPE``,
-    sliding-window layers), or None when every layer's can."""
+def _rope_refusal(model) -> "str | None":
+    """Why ``prerope`` cannot read ``model``'s RoPE (``prerope.rope_of``'s error), or None."""
     from .prerope import rope_of
     try:
         rope_of(model)
     except (TypeError, ValueError) as e:
         return str(e)
+    return None
+
+
+def pre_rope_refusal(model) -> "str | None":
+    """Why ``model``'s keys cannot be coded before RoPE (a RoPE variant other than ``nn.RoPE``,
+    sliding-window layers), or None when every layer's can."""
+    refusal = _rope_refusal(model)
+    if refusal:
+        return refusal
     if any(isinstance(c, mlx_cache.RotatingKVCache) for c in _mlx_reference(model, None)):   # even under serve
         return "the model has sliding-window layers, whose ring of slots does not hold positions in order"
     return None
@@ -112,11 +120,9 @@ def turned_mean_refusal(model, max_kv_size: Optional[int] = None) -> "str | None
     """Why ``model`` cannot take the turned key mean (``prerope.turned_mean``): a RoPE variant
     other than ``nn.RoPE``, or no plain (global) layer — every layer a sliding window, or every
     layer made one by ``max_kv_size`` — or None when it can."""
-    from .prerope import rope_of
-    try:
-        rope_of(model)
-    except (TypeError, ValueError) as e:
-        return str(e)
+    refusal = _rope_refusal(model)
+    if refusal:
+        return refusal
     if max_kv_size is not None:
         return "max_kv_size makes every layer a sliding window, whose ring of slots does not hold positions in order"
     if all(isinstance(c, mlx_cache.RotatingKVCache) for c in _mlx_reference(model, None)):
