@@ -182,9 +182,9 @@ def test_to_turboquant_takes_the_options_of_make_prompt_cache(llama):
     ref = [mlx_cache.KVCache() for _ in llama.layers]
     run_in_chunks(llama, t, ref, [30])
     keys = ref[0].state[0][..., :30, :]
-    conv = tq.to_turboquant(ref, bits=4.25, model=llama)
+    conv = tq.to_turboquant(ref, bits=4.25, model=llama, turned_mean=False)   # the centred rule
     kept = tq.to_turboquant(ref, sink_tokens=2, fp_window=3)
-    direct = tq.make_prompt_cache(llama, bits=4.25, turned_mean=False)   # to_turboquant's rule: the mean after RoPE
+    direct = tq.make_prompt_cache(llama, bits=4.25, turned_mean=False)   # the mean after RoPE
     run_in_chunks(llama, t, direct, [30])
     assert conv[0].sink_tokens == direct[0].sink_tokens == 1 + FIT_TOKENS       # the sink, the fit tokens
     assert conv[0].key_codec.name == direct[0].key_codec.name == "centered"

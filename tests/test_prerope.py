@@ -10,8 +10,9 @@ import turboquant as tq
 from turboquant.budget import codecs_for
 from turboquant.cache_base import returning_codes
 from turboquant.codecs.identity import Identity
+from turboquant.memory import geometry_from_model
 from turboquant.models import run_in_chunks, tiny_model
-from turboquant.prerope import PreRopeCache, Rope, pre_rope, rope_of
+from turboquant.prerope import PreRopeCache, Rope, TurnedMeanCache, pre_rope, rope_of
 from turboquant.suite import CONFIGS
 
 from mlx_lm.models import cache as mlx_cache
@@ -535,3 +536,49 @@ def test_the_turned_mean_is_the_default_of_a_budget_where_the_model_allows_it(ll
     assert kinds == ["TurboQuantRotatingKVCache"] * 5 + ["TurnedMeanCache"], kinds
     assert [type(c).__name__ for c in tq.make_prompt_cache(tiny_model("gemma3", num_layers=3, hidden_size=64),
                                                            bits=4.25, warn_rotating=False)] == ["TurboQuantRotatingKVCache"] * 3
+
+
+def test_to_turboquant_converts_to_the_default_where_the_model_allows_it(llama):
+    """A filled mlx-lm cache converted with ``bits`` and ``model`` is what the default cache
+    holds after taking the same keys and values in one update: the turned mean, bit for bit;
+    sliding-window layers keep their ring; the centred rule without the model or when asked."""
+    t = toks(30)
+    ref = [mlx_cache.KVCache() for _ in llama.layers]
+    run_in_chunks(llama, t, ref, [30])
+    conv = tq.to_turboquant(ref, bits=4.25, model=llama)
+    direct = tq.make_prompt_cache(llama, bits=4.25)                   # the default, fed the same tokens
+    for c, r in zip(direct, ref):
+        c.update_and_fetch(r.state[0][..., :30, :], r.state[1][..., :30, :])
+    assert all(isinstance(c, TurnedMeanCache) for c in conv) and [c.offset for c in conv] == [30, 30]
+    for a, b in zip(conv, direct):
+        assert mx.array_equal(a.mean, b.mean).item()
+        fa, fb = a.codes()[0].buffer.fields, b.codes()[0].buffer.fields
+        assert all(mx.array_equal(fa[n], fb[n]).item() for n in fb)
+    nxt = toks(1, seed=3)
+    exact = llama(nxt, cache=ref)
+    from turboquant.attention import cosine_similarity
+    assert cosine_similarity(llama(nxt, cache=conv), exact).min().item() > 0.99
+    assert all(type(c) is tq.TurboQuantKVCache for c in tq.to_turboquant(ref, bits=4.25))   # no model: no RoPE
+    assert all(type(c) is tq.TurboQuantKVCache
+               for c in tq.to_turboquant(ref, bits=4.25, model=llama, turned_mean=False))
+    with pytest.raises(ValueError, match="turned_mean=True .*give bits= and model="):
+        tq.to_turboquant(ref, bits=4.25, turned_mean=True)
+    with pytest.raises(TypeError, match="turned_mean must be None.*'yes'"):
+        tq.to_turboquant(ref, bits=4.25, model=llama, turned_mean="yes")
+    gemma = tiny_model("gemma3", num_layers=6, hidden_size=64)
+    filled = mlx_cache.make_prompt_cache(gemma)
+    run_in_chunks(gemma, toks(40), filled, [40])
+    with pytest.warns(UserWarning, match="5 rotating"):
+        kinds = [type(c).__name__ for c in tq.to_turboquant(filled, bits=4.25, model=gemma)]
+    assert kinds == ["TurboQuantRotatingKVCache"] * 5 + ["TurnedMeanCache"], kinds
+    local = tiny_model("gemma3", num_layers=3, hidden_size=64)      # every layer a sliding window
+    filled = mlx_cache.make_prompt_cache(local)
+    g = geometry_from_model(local)
+    for i, c in enumerate(filled):                                  # (three layers: the model itself cannot run)
+        x = mx.random.normal((1, g.n_kv_heads, 40, g.head_dim), key=mx.random.key(i))
+        c.update_and_fetch(x, x)
+    with pytest.warns(UserWarning, match="3 rotating"):
+        conv = tq.to_turboquant(filled, bits=4.25, model=local)
+    assert all(type(c) is tq.TurboQuantRotatingKVCache for c in conv)
+    with pytest.raises(ValueError, match="turned_mean=True needs RoPE positions in order.*every layer"):
+        tq.to_turboquant(filled, bits=4.25, model=local, turned_mean=True)

@@ -265,25 +265,46 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
 
 
 def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSpec = None,
-                  fp_window: int = 0, model=None, sink_tokens: int = 0, bits: Optional[float] = None) -> list:
+                  fp_window: int = 0, model=None, sink_tokens: int = 0, bits: Optional[float] = None,
+                  turned_mean: Optional[bool] = None) -> list:
     """Convert filled mlx-lm caches (``KVCache``, ``RotatingKVCache``) into TurboQuant ones,
-    encoding what they hold; other entries are returned unchanged. The options mean what
-    they mean for ``make_prompt_cache`` (``fp_window`` and ``sink_tokens`` on plain layers;
-    ``bits`` a measured budget, with the key mean learned after RoPE as
-    ``make_prompt_cache(bits=…, turned_mean=False)`` learns it: the turned mean of the default
-    learns its mean as the tokens arrive, so build the cache with ``make_prompt_cache`` before
-    the prompt to have it). With ``model``, the number of caches is checked against its
-    layers."""
+    encoding what they hold, as if the tokens had come in one update; other entries and empty
+    caches are returned unchanged. The options mean what they mean for ``make_prompt_cache``
+    (``fp_window`` and ``sink_tokens`` on plain layers; ``bits`` a measured budget). With
+    ``model``, the number of caches is checked against its layers.
+
+    ``turned_mean`` as in ``make_prompt_cache``: ``None`` (the default) converts ``bits`` to
+    what ``make_prompt_cache(model, bits=…)`` builds — the key mean learned before RoPE and
+    turned with each position in the plain layers — wherever the model allows it
+    (``turned_mean_refusal``); it needs ``model`` for the RoPE, so without ``model`` (or with
+    ``turned_mean=False``) the key mean is learned after RoPE, the centred rule. ``True`` asks
+    for it and is refused (``ValueError``, saying why) without ``bits`` and ``model`` or where
+    the model does not allow it. Sliding-window layers keep the centred rule either way, as in
+    ``make_prompt_cache``."""
+    if turned_mean is not None and not isinstance(turned_mean, bool):
+        raise TypeError(f"turned_mean must be None (the default: where it applies), True or False, got {turned_mean!r}")
+    if turned_mean and (bits is None or model is None):
+        raise ValueError("turned_mean=True converts to the budgets' keys around the turned mean: give bits= and "
+                         "model= (the RoPE it turns the mean with)")
     if model is not None:
         check_layers(cache, model)
     fp_window, sink_tokens = check_int("fp_window", fp_window, 0), check_int("sink_tokens", sink_tokens, 0)
+    turned = None
     if bits is not None:
         filled = [c for c in cache if isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)) and not c.empty()]
         if filled:
             key_codec, value_codec, sink_tokens, _ = _budget(bits, filled[0].state[0].shape[-1], key_codec,
                                                              value_codec, sink_tokens)
-    out = []
-    for c in cache:
+        if model is not None and turned_mean is not False:
+            refusal = turned_mean_refusal(model)
+            if refusal and turned_mean:
+                raise ValueError(f"turned_mean=True needs RoPE positions in order, which this model's cache cannot "
+                                 f"have: {refusal}")
+            if not refusal:                       # the default's caches, filled below
+                turned = make_prompt_cache(model, bits=bits, fp_window=fp_window, turned_mean=True,
+                                           warn_rotating=False)
+    out, fill = [], []
+    for i, c in enumerate(cache):
         if not isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)) or c.empty():
             out.append(c)
             continue
@@ -295,10 +316,15 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
             offset, keep, max_size, idx = _ring_layout(c)
             out.append(TurboQuantRotatingKVCache.from_ring(k, v, kc, vc, max_size=max_size, keep=keep,
                                                            offset=offset, idx=idx))
+        elif turned is not None:                  # a plain layer of the default: its wrapper takes the tokens
+            out.append(turned[i])
+            fill.append((turned[i], k, v))
         else:                                     # as if the tokens came in one update
             out.append(TurboQuantKVCache.from_kv(k, v, kc, vc, offset=c.offset, fp_window=fp_window,
                                                  sink_tokens=sink_tokens))
+    if fill:                                      # in layer order, as a forward pass feeds them
+        tag_group([f[0] for f in fill])
+        for layer, k, v in fill:
+            layer.update_and_fetch(k, v)
     _warn_rotating(out, fp_window, sink_tokens)
     return tag_group(out)
-
-
