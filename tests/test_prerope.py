@@ -1,5 +1,6 @@
 """Keys coded before RoPE (``turboquant.prerope``): exact round trip, the position-free mean it
 exists for, refusals, and the suite's configurations."""
+import copy
 import types
 
 import mlx.core as mx
@@ -552,8 +553,14 @@ def test_to_turboquant_converts_to_the_default_where_the_model_allows_it(llama):
     assert all(isinstance(c, TurnedMeanCache) for c in conv) and [c.offset for c in conv] == [30, 30]
     for a, b in zip(conv, direct):
         assert mx.array_equal(a.mean, b.mean).item()
-        fa, fb = a.codes()[0].buffer.fields, b.codes()[0].buffer.fields
-        assert all(mx.array_equal(fa[n], fb[n]).item() for n in fb)
+        for ca, cb in zip(a.codes(), b.codes()):                    # key and value codes
+            fa, fb = ca.buffer.fields, cb.buffer.fields
+            assert fa.keys() == fb.keys() and all(mx.array_equal(fa[n], fb[n]).item() for n in fb)
+        assert mx.array_equal(a.inner.sink_keys, b.inner.sink_keys).item()
+        assert mx.array_equal(a.inner.sink_values, b.inner.sink_values).item()
+    recent = tq.to_turboquant(ref, bits=4.25, model=llama, fp_window=3)
+    assert all(isinstance(c, TurnedMeanCache) and c.inner.fp_window == 3 for c in recent)
+    assert mx.array_equal(recent[0].inner.recent_values, ref[0].state[1][..., 27:30, :]).item()
     nxt = toks(1, seed=3)
     exact = llama(nxt, cache=ref)
     from turboquant.attention import cosine_similarity
@@ -561,16 +568,37 @@ def test_to_turboquant_converts_to_the_default_where_the_model_allows_it(llama):
     assert all(type(c) is tq.TurboQuantKVCache for c in tq.to_turboquant(ref, bits=4.25))   # no model: no RoPE
     assert all(type(c) is tq.TurboQuantKVCache
                for c in tq.to_turboquant(ref, bits=4.25, model=llama, turned_mean=False))
-    with pytest.raises(ValueError, match="turned_mean=True .*give bits= and model="):
+    with pytest.raises(ValueError, match="turned_mean=True .*give model= "):
         tq.to_turboquant(ref, bits=4.25, turned_mean=True)
+    wide = [mlx_cache.KVCache() for _ in llama.layers]              # another model's head size
+    for c in wide:
+        c.update_and_fetch(mx.ones((1, 2, 20, 64)), mx.ones((1, 2, 20, 64)))
+    with pytest.raises(ValueError, match="head size 64, the model's are 32"):
+        tq.to_turboquant(wide, bits=4.25, model=llama)
+    ring = [mlx_cache.RotatingKVCache(max_size=64, keep=4) for _ in llama.layers]
+    run_in_chunks(llama, t, ring, [30])
+    with pytest.warns(UserWarning, match="2 rotating"):
+        assert all(type(c) is tq.TurboQuantRotatingKVCache for c in tq.to_turboquant(ring, bits=4.25, model=llama))
+    with pytest.raises(ValueError, match="turned_mean=True turns .*no plain layer of this cache holds tokens"):
+        tq.to_turboquant(ring, bits=4.25, model=llama, turned_mean=True)
+    uneven = [ref[0], copy.deepcopy(ref[1])]
+    uneven[1].trim(5)                                               # layers holding 31 and 26 tokens
+    assert [c.offset for c in tq.to_turboquant(uneven, bits=4.25, model=llama)] == [31, 26]
     with pytest.raises(TypeError, match="turned_mean must be None.*'yes'"):
         tq.to_turboquant(ref, bits=4.25, model=llama, turned_mean="yes")
     gemma = tiny_model("gemma3", num_layers=6, hidden_size=64)
     filled = mlx_cache.make_prompt_cache(gemma)
     run_in_chunks(gemma, toks(40), filled, [40])
     with pytest.warns(UserWarning, match="5 rotating"):
-        kinds = [type(c).__name__ for c in tq.to_turboquant(filled, bits=4.25, model=gemma)]
-    assert kinds == ["TurboQuantRotatingKVCache"] * 5 + ["TurnedMeanCache"], kinds
+        conv = tq.to_turboquant(filled, bits=4.25, model=gemma)
+    assert [type(c).__name__ for c in conv] == ["TurboQuantRotatingKVCache"] * 5 + ["TurnedMeanCache"]
+    with pytest.warns(UserWarning, match="5 rotating"):                 # 8 bits: D = 16 is coarse at 4
+        fine = tq.to_turboquant(filled, bits=8.25, model=gemma)
+    assert cosine_similarity(gemma(nxt, cache=fine), gemma(nxt, cache=filled)).min().item() > 0.99
+    plain = [mlx_cache.KVCache() for _ in gemma.layers]               # the local layers as plain caches
+    run_in_chunks(gemma, toks(40), plain, [40])
+    kinds = [type(c).__name__ for c in tq.to_turboquant(plain, bits=4.25, model=gemma)]
+    assert kinds == ["TurboQuantKVCache"] * 5 + ["TurnedMeanCache"], kinds
     local = tiny_model("gemma3", num_layers=3, hidden_size=64)      # every layer a sliding window
     filled = mlx_cache.make_prompt_cache(local)
     g = geometry_from_model(local)

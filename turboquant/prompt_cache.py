@@ -279,16 +279,19 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
     (``turned_mean_refusal``); it needs ``model`` for the RoPE, so without ``model`` (or with
     ``turned_mean=False``) the key mean is learned after RoPE, the centred rule. ``True`` asks
     for it and is refused (``ValueError``, saying why) without ``bits`` and ``model`` or where
-    the model does not allow it. Sliding-window layers keep the centred rule either way, as in
-    ``make_prompt_cache``."""
+    the model does not allow it or no plain layer holds tokens. Sliding-window layers (of the
+    cache or of the model) keep the centred rule either way, as in ``make_prompt_cache``. A
+    batch's rows share one key mean, as they do in the default cache fed the batch."""
     if turned_mean is not None and not isinstance(turned_mean, bool):
         raise TypeError(f"turned_mean must be None (the default: where it applies), True or False, got {turned_mean!r}")
     if turned_mean and (bits is None or model is None):
-        raise ValueError("turned_mean=True converts to the budgets' keys around the turned mean: give bits= and "
-                         "model= (the RoPE it turns the mean with)")
+        missing = " and ".join(n for n, v in (("bits=", bits), ("model=", model)) if v is None)
+        raise ValueError(f"turned_mean=True converts to the budgets' keys around the turned mean: give {missing} "
+                         "(bits the budget, model the RoPE it turns the mean with)")
     if model is not None:
         check_layers(cache, model)
     fp_window, sink_tokens = check_int("fp_window", fp_window, 0), check_int("sink_tokens", sink_tokens, 0)
+    from .prerope import TurnedMeanCache
     turned = None
     if bits is not None:
         filled = [c for c in cache if isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)) and not c.empty()]
@@ -300,7 +303,11 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
             if refusal and turned_mean:
                 raise ValueError(f"turned_mean=True needs RoPE positions in order, which this model's cache cannot "
                                  f"have: {refusal}")
-            if not refusal:                       # the default's caches, filled below
+            if not refusal and filled:            # the default's caches, filled below
+                dim, want = filled[0].state[0].shape[-1], _head_dim(model)
+                if dim != want:
+                    raise ValueError(f"the cache holds keys of head size {dim}, the model's are {want}: "
+                                     "is the cache from another model?")
                 turned = make_prompt_cache(model, bits=bits, fp_window=fp_window, turned_mean=True,
                                            warn_rotating=False)
     out, fill = [], []
@@ -316,15 +323,18 @@ def to_turboquant(cache: list, key_codec: CodecSpec = None, value_codec: CodecSp
             offset, keep, max_size, idx = _ring_layout(c)
             out.append(TurboQuantRotatingKVCache.from_ring(k, v, kc, vc, max_size=max_size, keep=keep,
                                                            offset=offset, idx=idx))
-        elif turned is not None:                  # a plain layer of the default: its wrapper takes the tokens
+        elif turned is not None and isinstance(turned[i], TurnedMeanCache):   # the default's wrapper takes them
             out.append(turned[i])
             fill.append((turned[i], k, v))
         else:                                     # as if the tokens came in one update
             out.append(TurboQuantKVCache.from_kv(k, v, kc, vc, offset=c.offset, fp_window=fp_window,
                                                  sink_tokens=sink_tokens))
-    if fill:                                      # in layer order, as a forward pass feeds them
-        tag_group([f[0] for f in fill])
-        for layer, k, v in fill:
-            layer.update_and_fetch(k, v)
+    if turned_mean and not fill:
+        raise ValueError("turned_mean=True turns the key mean of plain (global) layers, and no plain layer of this "
+                         "cache holds tokens (its filled layers are sliding windows, RotatingKVCache, or the model's "
+                         "sliding-window layers)")
+    for layer, k, v in fill:                      # each alone: the source's layers may hold different counts
+        tag_group([layer])
+        layer.update_and_fetch(k, v)
     _warn_rotating(out, fp_window, sink_tokens)
     return tag_group(out)
