@@ -110,6 +110,6 @@ def test_a_refused_turned_mean_names_its_flag(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt", "x", "--max-tokens", "1", "--turned-mean"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "argument --turned-mean: turned_mean=True needs RoPE positions in order, which " \
-        "this cache cannot have: no nn.RoPE here" in err and "Traceback" not in err
+    assert e.value.code == 2 and "argument --turned-mean: the turned key mean needs RoPE positions in order: " \
+        "no nn.RoPE here" in err and "Traceback" not in err
     assert main(["generate", "--prompt", "x", "--max-tokens", "1"]) == 0

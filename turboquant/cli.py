@@ -142,6 +142,11 @@ def _load_for_generation(args):
     if args.profile is not None:
         options["profile"] = args.profile
     model, tok = load(args.model)
+    if options.get("turned_mean"):         # asked for: the model's own refusal names the flag
+        from .prompt_cache import turned_mean_refusal
+        refusal = turned_mean_refusal(model, options.get("max_kv_size"))
+        if refusal:
+            args.parser.error(f"argument --turned-mean: the turned key mean needs RoPE positions in order: {refusal}")
     if getattr(args, "load_cache", None):  # the saved cache, with its own codecs (none were given)
         return model, tok, new_cache(model, options, args.load_cache)
     if "bits" in options:                # a budget below every measured configuration is a usage error
@@ -150,8 +155,6 @@ def _load_for_generation(args):
         except ValueError as e:
             if "profile" in options:
                 args.parser.error(f"argument --profile: {str(e).replace('profile=True: ', '')}")
-            if options.get("turned_mean") and str(e).startswith("turned_mean=True"):
-                args.parser.error(f"argument --turned-mean: {e}")   # e.g. a RoPE that is not mlx's nn.RoPE
             args.parser.error(f"argument --bits: {e}")
     return model, tok, new_cache(model, options, getattr(args, "load_cache", None))
 

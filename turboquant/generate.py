@@ -52,8 +52,10 @@ def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, 
         if chosen and chosen != ["--bits"]:
             raise ValueError(f"{flag} says where a budget's centred keys learn their mean (--bits), not for "
                              f"{chosen[0]}")
-        if turned_mean and max_kv_size is not None:
-            raise ValueError("--turned-mean wraps plain layers; --max-kv-size makes every layer a sliding window")
+        from .prompt_cache import window_refusal
+        refusal = window_refusal(max_kv_size) if turned_mean else None
+        if refusal:                                       # before any model loads
+            raise ValueError(f"--turned-mean with --max-kv-size: {refusal}")
         return {**cache_options(bits=DEFAULT_BITS if bits is None else bits, max_kv_size=max_kv_size),
                 "turned_mean": turned_mean}
     opts: dict = {"max_kv_size": max_kv_size}

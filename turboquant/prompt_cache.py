@@ -18,7 +18,7 @@ from .memory import cache_count, check_layers, geometry_from_model, model_finger
 
 __all__ = ["make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prompt_cache", "model_geometry",
            "check_layers", "cache_count", "content_digest", "model_fingerprint",
-           "FORMAT", "FORMAT_VERSION", "pre_rope_refusal", "turned_mean_refusal"]
+           "FORMAT", "FORMAT_VERSION", "pre_rope_refusal", "turned_mean_refusal", "window_refusal"]
 
 def _ring_layout(c) -> tuple[int, int, int, int]:
     """(offset, keep, max_size, write position) of an mlx-lm ``RotatingKVCache`` through its
@@ -116,15 +116,22 @@ def pre_rope_refusal(model) -> "str | None":
     return None
 
 
+def window_refusal(max_kv_size: Optional[int]) -> "str | None":
+    """Why the turned key mean cannot go with ``max_kv_size`` (every layer then a sliding
+    window), or None when ``max_kv_size`` is None: the part of ``turned_mean_refusal`` that needs
+    no model, so a command line can refuse the pair before a model loads."""
+    if max_kv_size is None:
+        return None
+    return "max_kv_size makes every layer a sliding window, whose ring of slots does not hold positions in order"
+
+
 def turned_mean_refusal(model, max_kv_size: Optional[int] = None) -> "str | None":
     """Why ``model`` cannot take the turned key mean (``prerope.turned_mean``): a RoPE variant
     other than ``nn.RoPE``, or no plain (global) layer — every layer a sliding window, or every
     layer made one by ``max_kv_size`` — or None when it can."""
-    refusal = _rope_refusal(model)
+    refusal = window_refusal(max_kv_size) or _rope_refusal(model)
     if refusal:
         return refusal
-    if max_kv_size is not None:
-        return "max_kv_size makes every layer a sliding window, whose ring of slots does not hold positions in order"
     if all(isinstance(c, mlx_cache.RotatingKVCache) for c in _mlx_reference(model, None)):
         return "every layer of this model is a sliding window, whose ring of slots does not hold positions in order"
     return None
