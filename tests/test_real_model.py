@@ -187,6 +187,8 @@ def test_needle_trials_sharing_the_haystack_equal_trials_run_alone(smol, kind):
     alone = needle_accuracy(model, tok, hay, [320], [0.9], mk, values=values, chunk=64, max_tokens=3,
                             share_prefix=False)
     assert [t["answer"] for t in shared["trials"]] == [t["answer"] for t in alone["trials"]]
+    assert [(t["start_logp"], t["start_margin"], t["code_logp"]) for t in shared["trials"]] == \
+        [(t["start_logp"], t["start_margin"], t["code_logp"]) for t in alone["trials"]]
     assert shared["cells"] == alone["cells"] and [c["n"] for c in shared["cells"]] == [2]
     assert all(0 <= c["lo"] <= c["ok"] / 2 <= c["hi"] <= 1 for c in shared["cells"])
     prompts = [needle_prompt(tok, hay, 320, 0.9, v) for v in values]
@@ -202,6 +204,33 @@ def test_needle_trials_sharing_the_haystack_equal_trials_run_alone(smol, kind):
     headless = fresh()                          # fill_cache: the same cache without the output head
     fill_cache(model, mx.array(prompts[1][:s])[None], headless, 64)
     assert mx.array_equal(prefill_logits(model, mx.array(prompts[1][s:])[None], headless, 64), rest).item()
+
+
+def test_a_needle_trial_scores_the_right_answer_as_the_model_does(smol):
+    """start_logp and code_logp are the log-probabilities of " " + value's tokens that one
+    forward pass over prompt + answer gives (fp32: up to float rounding), and a trial's greedy
+    answer is what it was before they were scored (the scoring runs on a copy of the cache)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
+
+    from turboquant.evaluation import greedy, needle_accuracy, prefill_logits
+    model, tok = smol
+    hay = encode_text(tok, load_text("lee"), 400)
+    r = needle_accuracy(model, tok, hay, [320], [0.5], None, values=("4721",), chunk=64, max_tokens=3)
+    t = r["trials"][0]
+    ids = needle_prompt(tok, hay, 320, 0.5, "4721")
+    answer = encode_text(tok, " 4721")
+    assert len(answer) > 1
+    logits = prefill_logits(model, mx.array(ids + answer)[None], mlx_prompt_cache(model), 64)[0]
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    first = lp[len(ids) - 1, answer[0]].item()
+    rest = sum(lp[len(ids) - 1 + j, answer[j]].item() for j in range(1, len(answer)))
+    assert t["start_logp"] == pytest.approx(first, abs=1e-3) and t["code_logp"] == pytest.approx(rest, abs=1e-3)
+    assert t["start_logp"] < 0 and t["code_logp"] < 0
+    rival = mx.max(mx.concatenate([lp[len(ids) - 1, :answer[0]], lp[len(ids) - 1, answer[0] + 1:]])).item()
+    assert t["start_margin"] == pytest.approx(first - rival, abs=1e-3)
+    alone = greedy(model, mx.array(ids)[None], mlx_prompt_cache(model), 3, 64)
+    assert t["answer"] == tok.decode(alone) and (t["start_margin"] > 0) == (alone[0] == answer[0])
 
 
 def test_held_out_calibration_text_is_scored_only_past_the_calibration_windows(smol):

@@ -307,7 +307,7 @@ def _check_positions(args) -> None:
 
 def _needle(args) -> int:
     from .models import load
-    from .needles import needle_grid, needle_table
+    from .needles import needle_grid, needle_scores, needle_table
     names = _config_names(args)
     _check_positions(args)
     model, tok = load(args.model)
@@ -326,6 +326,13 @@ def _needle(args) -> int:
     print(f"{'configuration':{W}s} {'bits':>5} " + " ".join(f"{h:>20}" for h in heads))
     for r in rows:
         print(f"{r['configuration']:{W}s} {r['bits']:>5.3g} " + " ".join(f"{r.get(h, '—'):>20}" for h in heads))
+    scored = needle_scores(record)
+    if scored:
+        print("the right answer's scores (means over the trials that record them): greedy starts right, "
+              "lead of the start over the likeliest other token (nats), log p(code | start)")
+        for s in scored:
+            print(f"{s['configuration']:{W}s} {s['context']}@{s['depth']:.0%}: {s['starts']}/{s['n']} start right, "
+                  f"lead {s['lead']:+.2f}, log p(code | start) {s['code_logp']:+.3f}")
     if args.out:
         print(f"wrote {args.out}")
     return 0

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-__all__ = ["needle_grid", "needle_table"]
+__all__ = ["needle_grid", "needle_table", "needle_scores"]
 
 HAYSTACK = "lee"      # the distractor text: prose no profile is calibrated on
 
@@ -147,3 +147,21 @@ def needle_table(record: dict) -> list[dict]:
             row[f"{c['context']}@{c['depth']:.0%}"] = f"{c['ok']}/{c['n']} [{c['lo']:.2f}, {c['hi']:.2f}]"
         rows.append(row)
     return rows
+
+
+def needle_scores(record: dict) -> list[dict]:
+    """Per configuration × context × depth whose trials carry the right answer's scores
+    (``evaluation.needle.answer_logprobs``; trials recorded before them do not): {"configuration",
+    "context", "depth", "n", "starts" (trials whose greedy answer starts right: lead > 0),
+    "lead" (mean lead of the start, nats), "code_logp" (mean log p of the code given the start)}."""
+    out = []
+    for name, r in record["results"].items():
+        for c in sorted(r["cells"], key=lambda c: (c["context"], c["depth"])):
+            ts = [t for t in r["trials"] if t["context"] == c["context"] and t["depth"] == c["depth"]
+                  and "start_margin" in t]
+            if ts:
+                out.append({"configuration": name, "context": c["context"], "depth": c["depth"], "n": len(ts),
+                            "starts": sum(t["start_margin"] > 0 for t in ts),
+                            "lead": sum(t["start_margin"] for t in ts) / len(ts),
+                            "code_logp": sum(t["code_logp"] for t in ts) / len(ts)})
+    return out

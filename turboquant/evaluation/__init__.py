@@ -11,13 +11,14 @@ cache and cannot see KV compression).
 """
 from .agreement import greedy_agreement, top1_agreement
 from .fidelity import capture_qkv, key_statistics, layer_fidelity, position_error, recording
-from .needle import NEEDLE, NEEDLE_VALUES, QUESTION, needle_accuracy, needle_prompt, needle_values
+from .needle import NEEDLE, NEEDLE_VALUES, QUESTION, answer_logprobs, needle_accuracy, needle_prompt, needle_values
 from .outliers import channel_profile
 from .scoring import perplexity
-from .prefilling import MakeCache, fresh_cache, greedy, fill_cache, prefill, prefill_logits
+from .prefilling import MakeCache, fresh_cache, greedy, fill_cache, next_logits, prefill, prefill_logits
 from .text import bos_id, encode_text
 
 __all__ = ["encode_text", "bos_id", "perplexity", "capture_qkv", "layer_fidelity", "key_statistics",
            "position_error", "recording",
-           "needle_prompt", "needle_accuracy", "needle_values", "NEEDLE", "QUESTION", "NEEDLE_VALUES",
-           "top1_agreement", "greedy_agreement", "channel_profile", "MakeCache", "fresh_cache", "prefill", "prefill_logits", "fill_cache", "greedy"]
+           "needle_prompt", "needle_accuracy", "answer_logprobs", "needle_values", "NEEDLE", "QUESTION", "NEEDLE_VALUES",
+           "top1_agreement", "greedy_agreement", "channel_profile", "MakeCache", "fresh_cache", "prefill", "prefill_logits", "fill_cache", "next_logits",
+           "greedy"]

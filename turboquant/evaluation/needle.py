@@ -8,10 +8,11 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..progress import progress as progress_bar
-from .prefilling import MakeCache, fill_cache, fresh_cache, greedy
+from .prefilling import MakeCache, fill_cache, fresh_cache, greedy, next_logits
 from .text import encode_text
 
-__all__ = ["needle_prompt", "needle_accuracy", "needle_values", "NEEDLE", "QUESTION", "NEEDLE_VALUES"]
+__all__ = ["needle_prompt", "needle_accuracy", "answer_logprobs", "needle_values", "NEEDLE", "QUESTION",
+           "NEEDLE_VALUES"]
 
 
 NEEDLE = "The secret code of the blue door is {value}."
@@ -50,6 +51,25 @@ def needle_values(n: int) -> tuple[str, ...]:
     return tuple(out)
 
 
+def answer_logprobs(model, logits: mx.array, cache, answer: Sequence[int]) -> dict:
+    """How the cache's model scores the right answer: {"start_logp": log p of its first token,
+    "start_margin": that minus the log p of the likeliest other token (> 0: a greedy answer
+    starts right), "code_logp": log p of the rest given the first}. ``logits`` (1, V) are the
+    next-token logits after the prompt held in ``cache``; the answer's tokens but its last are
+    fed, as one chunk, through a deep copy of ``cache`` (``cache`` itself is left as it was).
+    A one-token answer gives 0.0 for the rest."""
+    import copy
+    first = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
+    start = first[answer[0]].item()
+    rival = mx.max(mx.concatenate([first[:answer[0]], first[answer[0] + 1:]])).item()
+    out = {"start_logp": start, "start_margin": start - rival, "code_logp": 0.0}
+    if len(answer) > 1:
+        rest = model(mx.array(list(answer[:-1]))[None], cache=copy.deepcopy(cache)).astype(mx.float32)
+        rest = rest - mx.logsumexp(rest, axis=-1, keepdims=True)
+        out["code_logp"] = sum(rest[0, j - 1, answer[j]].item() for j in range(1, len(answer)))
+    return out
+
+
 def _shared_length(prompts: Sequence[Sequence[int]], chunk: int) -> int:
     """Tokens every prompt starts with, rounded down to a multiple of ``chunk``."""
     first, n = prompts[0], min(len(p) for p in prompts)
@@ -65,6 +85,13 @@ def needle_accuracy(model, tokenizer, haystack_ids: Sequence[int], contexts: Seq
     trial succeeds when the generated text contains the value. Returns {"accuracy":
     {context: rate}, "cells": [{"context", "depth", "ok", "n", "lo", "hi"}] (rate per cell
     with its 95 % Wilson interval, ``intervals.wilson``), "trials": per-trial records}.
+
+    Each trial also records the right answer's log-probabilities through the same cache
+    (``answer_logprobs`` of " " + value): "start_logp", of its first token (a space on
+    SmolLM2), "start_margin", its lead over the likeliest other token, and "code_logp", of the
+    code's tokens given that start. A greedy answer can fail at its first token while the code
+    is still there to be read; these tell apart how the answer starts and whether the needle
+    was retrieved.
 
     ``share_prefix``: the trials of one cell differ only from the needle on, so the
     haystack before it is prefilled once and the cache deep-copied for each value. Only
@@ -87,8 +114,10 @@ def needle_accuracy(model, tokenizer, haystack_ids: Sequence[int], contexts: Seq
                 fill_cache(model, mx.array(prompts[0][:shared])[None], base, chunk)
         cache = copy.deepcopy(base) if shared else fresh_cache(model, make_cache)
         v, ids = values[i], prompts[i]
-        text = tokenizer.decode(greedy(model, mx.array(ids[shared:])[None], cache, max_tokens, chunk))
-        trials.append({"context": c, "depth": d, "value": v, "answer": text, "ok": v in text})
+        logits = next_logits(model, mx.array(ids[shared:])[None], cache, chunk)
+        scores = answer_logprobs(model, logits, cache, encode_text(tokenizer, " " + v))
+        text = tokenizer.decode(greedy(model, None, cache, max_tokens, chunk, logits=logits))
+        trials.append({"context": c, "depth": d, "value": v, "answer": text, "ok": v in text, **scores})
         ok += v in text
         if i == len(values) - 1:
             iv = wilson(ok, len(values))

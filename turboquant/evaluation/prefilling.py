@@ -7,7 +7,7 @@ from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 
-__all__ = ["MakeCache", "fresh_cache", "prefill", "prefill_logits", "fill_cache", "greedy"]
+__all__ = ["MakeCache", "fresh_cache", "prefill", "prefill_logits", "fill_cache", "next_logits", "greedy"]
 
 MakeCache = Optional[Callable[[], list]]
 
@@ -53,14 +53,23 @@ def prefill_logits(model, tokens: mx.array, cache, chunk: int) -> mx.array:
     return mx.concatenate(out, axis=1)
 
 
-def greedy(model, ids: mx.array, cache, n_tokens: int, chunk: int) -> list[int]:
-    """Prefill ``ids`` (1, P) through ``cache`` in chunks, then ``n_tokens`` greedy tokens.
-    Only the last chunk goes through the output head (``fill_cache`` before it), and only
-    its last position's logits are kept: never all (P, V)."""
+def next_logits(model, ids: mx.array, cache, chunk: int) -> mx.array:
+    """Prefill ``ids`` (1, P) through ``cache`` in chunks; the logits (1, V) float32 of the token
+    after them. Only the last chunk goes through the output head (``fill_cache`` before it),
+    and only its last position's logits are kept: never all (P, V)."""
     last = (ids.shape[1] - 1) // chunk * chunk
     fill_cache(model, ids[:, :last], cache, chunk)
     logits = model(ids[:, last:], cache=cache)[:, -1].astype(mx.float32)
     mx.eval(logits)
+    return logits
+
+
+def greedy(model, ids: mx.array, cache, n_tokens: int, chunk: int, logits: Optional[mx.array] = None) -> list[int]:
+    """Prefill ``ids`` (1, P) through ``cache`` in chunks (``next_logits``), then ``n_tokens``
+    greedy tokens. ``logits``: ``next_logits``' result when ``ids`` are already in ``cache``
+    (then ``ids`` is not fed again)."""
+    if logits is None:
+        logits = next_logits(model, ids, cache, chunk)
     out = []
     for _ in range(n_tokens):
         t = logits.argmax(-1)
