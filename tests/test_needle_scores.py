@@ -5,21 +5,23 @@ import pytest
 from turboquant.needles import needle_scores
 
 
-def _trial(depth, margin, code, value="1111"):
-    return {"context": 1024, "depth": depth, "value": value, "answer": " x", "ok": margin > 0,
+def _trial(depth, margin, code, value="1111", context=1024):
+    return {"context": context, "depth": depth, "value": value, "answer": " x", "ok": margin > 0,
             "start_logp": -1.0, "start_margin": margin, "code_logp": code}
 
 
 def test_scores_are_means_per_cell_over_the_trials_that_record_them():
-    cell = lambda d: {"context": 1024, "depth": d, "ok": 0, "n": 3, "lo": 0.0, "hi": 1.0}
+    cell = lambda d, c=1024: {"context": c, "depth": d, "ok": 0, "n": 3, "lo": 0.0, "hi": 1.0}
     record = {"results": {
-        "a": {"cells": [cell(0.9), cell(0.1)],
+        "a": {"cells": [cell(0.9), cell(0.1), cell(0.1, 2048)],
               "trials": [_trial(0.1, 2.0, -0.1), _trial(0.1, -1.0, -0.3), _trial(0.1, 0.5, -0.2),
-                         _trial(0.9, -0.5, -1.0)]},
+                         _trial(0.9, -0.5, -1.0), _trial(0.1, 3.0, -0.05, context=2048)]},
         "old": {"cells": [cell(0.1)],                 # recorded before the scores: left out
                 "trials": [{"context": 1024, "depth": 0.1, "value": "1111", "answer": " 1111", "ok": True}]}}}
     rows = needle_scores(record)
-    assert [(r["configuration"], r["depth"], r["n"], r["starts"]) for r in rows] == [("a", 0.1, 3, 2), ("a", 0.9, 1, 0)]
+    assert [(r["configuration"], r["context"], r["depth"], r["n"], r["starts"]) for r in rows] == \
+        [("a", 1024, 0.1, 3, 2), ("a", 1024, 0.9, 1, 0), ("a", 2048, 0.1, 1, 1)]
+    assert rows[2]["lead"] == pytest.approx(3.0) and rows[2]["code_logp"] == pytest.approx(-0.05)
     assert rows[0]["lead"] == pytest.approx(0.5) and rows[0]["code_logp"] == pytest.approx(-0.2)
     assert rows[1]["lead"] == pytest.approx(-0.5) and rows[1]["code_logp"] == pytest.approx(-1.0)
     assert needle_scores({"results": {"old": record["results"]["old"]}}) == []

@@ -233,6 +233,22 @@ def test_a_needle_trial_scores_the_right_answer_as_the_model_does(smol):
     assert t["answer"] == tok.decode(alone) and (t["start_margin"] > 0) == (alone[0] == answer[0])
 
 
+def test_scoring_a_needle_trial_leaves_a_compressed_cache_as_it_was(smol):
+    """Through the default 4.25-bit cache (turned mean) a trial's greedy answer is what a fresh
+    cache of that kind answers without the scoring pass, whose lead says how the answer starts."""
+    import mlx.core as mx
+
+    from turboquant.evaluation import greedy, needle_accuracy
+    model, tok = smol
+    hay = encode_text(tok, load_text("lee"), 400)
+    mk = lambda: make_prompt_cache(model, bits=4.25)
+    r = needle_accuracy(model, tok, hay, [320], [0.9], mk, values=("4721", "8356"), chunk=64, max_tokens=3)
+    for t in r["trials"]:
+        alone = greedy(model, mx.array(needle_prompt(tok, hay, 320, 0.9, t["value"]))[None], mk(), 3, 64)
+        first = encode_text(tok, " " + t["value"])[0]
+        assert t["answer"] == tok.decode(alone) and (t["start_margin"] > 0) == (alone[0] == first)
+
+
 def test_held_out_calibration_text_is_scored_only_past_the_calibration_windows(smol):
     """``start`` skips tokens of the corpus: past the calibration windows (8 × 512) calibrated
     rows may be scored on their own calibration corpus — held-out calibration text, where

@@ -327,12 +327,16 @@ def _needle(args) -> int:
     for r in rows:
         print(f"{r['configuration']:{W}s} {r['bits']:>5.3g} " + " ".join(f"{r.get(h, '—'):>20}" for h in heads))
     scored = needle_scores(record)
+    unscored = sum(len(r["cells"]) for r in record["results"].values()) - len(scored)
     if scored:
         print("the right answer's scores (means over the trials that record them): greedy starts right, "
               "lead of the start over the likeliest other token (nats), log p(code | start)")
         for s in scored:
             print(f"{s['configuration']:{W}s} {s['context']}@{s['depth']:.0%}: {s['starts']}/{s['n']} start right, "
                   f"lead {s['lead']:+.2f}, log p(code | start) {s['code_logp']:+.3f}")
+    if unscored:
+        print(f"{unscored} cell(s) were recorded before the trials scored the right answer, so they have no "
+              "scores; remove their rows from the file to measure them again")
     if args.out:
         print(f"wrote {args.out}")
     return 0

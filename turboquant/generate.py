@@ -55,7 +55,7 @@ def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, 
         from .prompt_cache import window_refusal
         refusal = window_refusal(max_kv_size) if turned_mean else None
         if refusal:                                       # before any model loads
-            raise ValueError(f"--turned-mean with --max-kv-size: {refusal}")
+            raise ValueError(f"--turned-mean: {refusal.replace('max_kv_size', '--max-kv-size', 1)}")
         return {**cache_options(bits=DEFAULT_BITS if bits is None else bits, max_kv_size=max_kv_size),
                 "turned_mean": turned_mean}
     opts: dict = {"max_kv_size": max_kv_size}

@@ -64,10 +64,11 @@ def next_logits(model, ids: mx.array, cache, chunk: int) -> mx.array:
     return logits
 
 
-def greedy(model, ids: mx.array, cache, n_tokens: int, chunk: int, logits: Optional[mx.array] = None) -> list[int]:
+def greedy(model, ids: Optional[mx.array], cache, n_tokens: int, chunk: int,
+           logits: Optional[mx.array] = None) -> list[int]:
     """Prefill ``ids`` (1, P) through ``cache`` in chunks (``next_logits``), then ``n_tokens``
-    greedy tokens. ``logits``: ``next_logits``' result when ``ids`` are already in ``cache``
-    (then ``ids`` is not fed again)."""
+    greedy tokens. ``logits``: ``next_logits``' result when the prompt is already in ``cache``;
+    then ``ids`` is ignored (pass None) and nothing is prefilled."""
     if logits is None:
         logits = next_logits(model, ids, cache, chunk)
     out = []
