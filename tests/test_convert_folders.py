@@ -132,3 +132,26 @@ def test_large_writes_are_refused_up_front_when_the_disk_is_short(tmp_path, monk
     with pytest.raises(ValueError, match="converting .* to float32 weights needs"):
         convert_gguf(model_gguf("smollm2-135m"), tmp_path / "out", progress=False)
     assert list(tmp_path.iterdir()) == []                                      # nothing written
+
+
+def test_make_names_a_short_disk_before_it_creates_the_venv(tmp_path):
+    """The Makefile runs paths.py with the system Python before ``python -m venv``: a disk
+    too small for .venv stops make with one line naming the need, the folder and the hint,
+    not with pip's "[Errno 28]" halfway through the install."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import turboquant.paths
+    script = Path(turboquant.paths.__file__)
+    makefile = (script.parents[1] / "Makefile").read_text()
+    assert "turboquant/paths.py" in makefile.split("-m venv")[0]               # before the venv
+    run = lambda gib: subprocess.run([sys.executable, "-I", str(script), str(tmp_path), gib,
+                                      "creating .venv", "free some space"],
+                                     capture_output=True, text=True)
+    ok = run("0.001")
+    assert ok.returncode == 0 and ok.stderr == ""
+    short = run("1e9")                                                       # 1e9 GiB: never free
+    assert short.returncode == 1
+    assert short.stderr.startswith("make: creating .venv needs 1000000000.00 GiB free in ")
+    assert str(tmp_path) in short.stderr and short.stderr.rstrip().endswith("(free some space)")

@@ -19,10 +19,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("TURBOQUANT_CACHE", Path.home() / ".cache" / "turboquant"))
 
 
-def require_free(folder: Path, need: int, doing: str) -> None:
+def require_free(folder: Path, need: int, doing: str,
+                 hint: str = "set TURBOQUANT_CACHE to a larger disk") -> None:
     """Refuse (``ValueError``) before writing ``need`` bytes into ``folder`` (or the nearest
     existing folder above it) when its disk has less free space; ``doing`` says what would
-    be written. The one disk check of every large write (joining a GGUF, converting it)."""
+    be written, ``hint`` what to do about it. The one disk check of every large write
+    (creating ``.venv``, joining a GGUF, converting it)."""
     import shutil
     folder = Path(folder)
     while not folder.exists():
@@ -30,4 +32,14 @@ def require_free(folder: Path, need: int, doing: str) -> None:
     free = shutil.disk_usage(folder).free
     if free < need:
         raise ValueError(f"{doing} needs {need / 2**30:.2f} GiB free in {folder}; {free / 2**30:.2f} GiB are "
-                         "(set TURBOQUANT_CACHE to a larger disk)")
+                         f"({hint})")
+
+
+if __name__ == "__main__":
+    # make's check before it creates .venv (run by the system Python, before any package is
+    # installed): python turboquant/paths.py FOLDER GIB WHAT HINT
+    import sys
+    try:
+        require_free(Path(sys.argv[1]), int(float(sys.argv[2]) * 2**30), sys.argv[3], sys.argv[4])
+    except ValueError as err:
+        sys.exit(f"make: {err}")
