@@ -304,3 +304,27 @@ def test_generate_with_the_turned_mean_saves_and_continues(tmp_path, capsys):
     assert type(cache[0]).__name__ == "TurnedMeanCache" and cache[0].mean is not None
     assert cli.main(["generate", "--prompt", " It", "--max-tokens", "2", "--load-cache", str(path)]) == 0
     assert "cache saved" in capsys.readouterr().out
+
+
+def test_needle_prints_the_right_answers_scores_and_counts_cells_recorded_without_them(monkeypatch, capsys):
+    """`turboquant needle` prints, under its table, each scored cell's starts, reads (p(code |
+    start) > 1/2), mean lead and code log p, and counts the cells recorded before the scores."""
+    import turboquant.models
+    import turboquant.needles
+
+    def trial(margin, code, value):
+        return {"context": 1024, "depth": 0.9, "value": value, "answer": " x", "ok": margin > 0,
+                "start_logp": -1.0, "start_margin": margin, "code_logp": code}
+    cell = {"context": 1024, "depth": 0.9, "ok": 1, "n": 2, "lo": 0.1, "hi": 1.0}
+    record = {"setup": {"haystack": "lee"}, "results": {
+        "new": {"family": "x", "bits": 4.25, "cells": [cell],
+                "trials": [trial(0.5, -0.1, "1111"), trial(-0.5, -2.0, "2222")]},
+        "old": {"family": "x", "bits": 4.25, "cells": [cell],
+                "trials": [{"context": 1024, "depth": 0.9, "value": "1111", "answer": " 1111", "ok": True}]}}}
+    monkeypatch.setattr(turboquant.models, "load", lambda name: (None, None))
+    monkeypatch.setattr(turboquant.needles, "needle_grid", lambda *a, **k: record)
+    assert cli.main(["needle", "--configs", "fp32", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "new                          1024@90%: 1/2 start right, 1/2 read the code, lead +0.00, " \
+        "log p(code | start) -1.050" in out
+    assert "1 cell(s) were recorded before the trials scored the right answer" in out

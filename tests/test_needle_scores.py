@@ -25,3 +25,16 @@ def test_scores_are_means_per_cell_over_the_trials_that_record_them():
     assert rows[0]["lead"] == pytest.approx(0.5) and rows[0]["code_logp"] == pytest.approx(-0.2)
     assert rows[1]["lead"] == pytest.approx(-0.5) and rows[1]["code_logp"] == pytest.approx(-1.0)
     assert needle_scores({"results": {"old": record["results"]["old"]}}) == []
+
+
+def test_the_code_is_read_when_its_probability_given_the_start_is_above_one_half():
+    """p(code | start) > 1/2 makes every token of the code the likeliest at its step, so a
+    greedy answer that starts right writes it; exactly 1/2 does not count."""
+    import math
+    cell = {"context": 1024, "depth": 0.5, "ok": 0, "n": 4, "lo": 0.0, "hi": 1.0}
+    half = -math.log(2)
+    record = {"results": {"a": {"cells": [cell], "trials": [
+        _trial(0.5, -1.0, half + 1e-9, "1"), _trial(0.5, -1.0, half, "2"),
+        _trial(0.5, 1.0, -0.01, "3"), _trial(0.5, 1.0, -3.0, "4")]}}}
+    (row,) = needle_scores(record)
+    assert (row["starts"], row["reads"], row["n"]) == (2, 2, 4)

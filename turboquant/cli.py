@@ -330,10 +330,12 @@ def _needle(args) -> int:
     unscored = sum(len(r["cells"]) for r in record["results"].values()) - len(scored)
     if scored:
         print("the right answer's scores (means over the trials that record them): greedy starts right, "
-              "lead of the start over the likeliest other token (nats), log p(code | start)")
+              "reads the code (p(code | start) > 1/2), lead of the start over the likeliest other token "
+              "(nats), log p(code | start)")
         for s in scored:
             print(f"{s['configuration']:{W}s} {s['context']}@{s['depth']:.0%}: {s['starts']}/{s['n']} start right, "
-                  f"lead {s['lead']:+.2f}, log p(code | start) {s['code_logp']:+.3f}")
+                  f"{s['reads']}/{s['n']} read the code, lead {s['lead']:+.2f}, "
+                  f"log p(code | start) {s['code_logp']:+.3f}")
     if unscored:
         print(f"{unscored} cell(s) were recorded before the trials scored the right answer, so they have no "
               "scores; remove their rows from the file to measure them again")

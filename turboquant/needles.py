@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
 import time
 from pathlib import Path
@@ -153,7 +154,10 @@ def needle_scores(record: dict) -> list[dict]:
     """Per configuration × context × depth whose trials carry the right answer's scores
     (``evaluation.needle.answer_logprobs``; trials recorded before them do not): {"configuration",
     "context", "depth", "n", "starts" (trials whose greedy answer starts right: lead > 0),
-    "lead" (mean lead of the start, nats), "code_logp" (mean log p of the code given the start)}."""
+    "reads" (trials whose code has probability above 1/2 given the start, so that each of its
+    tokens does and greedy decoding, once the answer starts right, writes the code: a
+    sufficient condition, not a necessary one), "lead" (mean lead of the start, nats),
+    "code_logp" (mean log p of the code given the start)}."""
     out = []
     for name, r in record["results"].items():
         for c in sorted(r["cells"], key=lambda c: (c["context"], c["depth"])):
@@ -162,6 +166,7 @@ def needle_scores(record: dict) -> list[dict]:
             if ts:
                 out.append({"configuration": name, "context": c["context"], "depth": c["depth"], "n": len(ts),
                             "starts": sum(t["start_margin"] > 0 for t in ts),
+                            "reads": sum(t["code_logp"] > -math.log(2) for t in ts),
                             "lead": sum(t["start_margin"] for t in ts) / len(ts),
                             "code_logp": sum(t["code_logp"] for t in ts) / len(ts)})
     return out
