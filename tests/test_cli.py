@@ -81,7 +81,8 @@ def test_eval_on_several_domains_summarises_each_configurations_worst(tmp_path, 
     (["eval", "--tokens", "0"], "argument --tokens: must be >= 2, got 0"),
     (["eval", "--tokens", "-5"], "argument --tokens: must be >= 2, got -5"),
     (["eval", "--tokens", "abc"], "argument --tokens: expected an integer"),
-    (["eval", "--configs", "nosuch"], "unknown configuration(s) 'nosuch'; valid: 'chapter', 'all', 'fp32'"),
+    (["eval", "--configs", "nosuch"], "unknown configuration(s) 'nosuch'; valid: 'chapter', 'all' or one of the"),
+    (["needle", "--configs", "budget K4/V5"], "unknown configuration(s) 'budget K4/V5' (closest: 'budget K5/V5', 'budget K4/V4'"),
     (["eval", "--tokens", "256"], "256 tokens are fewer than one --window of 512"),
     (["eval", "--corpus", "code", "docs", "--calibration-corpus", "docs", "--configs", "calibrated 4.25"],
      "argument --corpus: 'docs' is the calibration corpus"),
@@ -128,6 +129,8 @@ def test_eval_on_several_domains_summarises_each_configurations_worst(tmp_path, 
     (["serve", "--profile", "/nonexistent/p.json"], "argument --profile: no file /nonexistent/p.json"),
     (["serve", "--bits", "3.25", "--key-bits", "4", "--profile"],
      "argument --profile: it chooses the configuration for --bits, not for --key-bits"),
+    (["serve", "--bits", "1"], "argument --bits: no measured configuration fits 1 bits per coordinate at head "
+                               "size 64; the smallest is 2.25"),
     (["needle", "--positions", "100"], "argument --positions: at least one 512-token window (and below 2**31), or 0"),
 ])
 def test_bad_arguments_give_a_usage_message_and_status_2(argv, message, capsys):
@@ -156,8 +159,12 @@ def test_help_lists_every_command(capsys):
         cli.main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for command in ("memory", "model", "eval", "kernels", "bench"):
-        assert f"turboquant {command}" in out and f"\n    {command}" in out
+    commands = ("memory", "model", "generate", "chat", "calibrate", "eval", "needle", "longctx", "kernels",
+                "bench", "serve", "loadtest")
+    for command in commands:                      # listed once, by the subparsers' own help
+        assert out.count(f"\n    {command}") == 1
+    assert "\n  turboquant " not in out            # no second list (the module's docstring once was one)
+    assert "turboquant COMMAND --help" in out
 
 
 def test_bench_generate_refuses_bad_bits_before_loading(capsys):

@@ -168,3 +168,15 @@ def test_scalar_byte_tables_only_where_whole_bytes_hold_indices():
     kv, vv = c.codes()
     q = mx.random.normal((1, 2, 1, 20), key=mx.random.key(1))
     assert mx.abs(attention_from_codes(q, kv, vv) - reference_attention(q, kd, vd)).max().item() < 1e-5
+
+
+def test_a_config_missing_or_inventing_a_field_is_refused_by_name():
+    """from_config names the fields a config lacks or does not have (not a TypeError from the
+    constructor); every registered codec's own config still rebuilds it."""
+    from conftest import codec_examples
+    with pytest.raises(ValueError, match=r"codec 'turboquant_mse': the config lacks 'dim', 'bits' \(its fields: "):
+        tq.from_config({"codec": "turboquant_mse"})
+    with pytest.raises(ValueError, match=r"has unknown field\(s\) 'seedx'"):
+        tq.from_config({"codec": "turboquant_mse", "dim": 64, "bits": 4, "seedx": 1})
+    for c in codec_examples(64, fitted=False):
+        assert tq.from_config(c.config()).config() == c.config()

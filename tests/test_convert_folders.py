@@ -79,6 +79,7 @@ def test_a_model_cut_across_wheels_is_joined_in_order_and_checked(cut_file):
     path = models.model_gguf("cut")
     assert path == tmp_path / "cache" / "gguf" / "cut.gguf" and path.read_bytes() == data
     assert models.model_gguf("cut") == path                          # joined once
+    assert path.stat().st_mode & 0o777 == 0o666 & ~_umask()          # as open makes it, not mkstemp's 0600
 
 
 def test_a_joined_file_with_another_digest_is_refused_and_not_kept(cut_file, monkeypatch):
@@ -107,6 +108,9 @@ def test_weights_written_in_shards_load_as_one_file_does(tmp_path, monkeypatch):
     convert_gguf(gguf, tmp_path / "sharded", progress=False)
     files = convert.weight_files(tmp_path / "sharded")
     assert len(files) == 3 and files[0] == "model-00001.safetensors"
+    mode = lambda p: p.stat().st_mode & 0o777                        # readable by a shared cache's users
+    assert {mode(tmp_path / "sharded" / f) for f in files} == {mode(tmp_path / "sharded" / "config.json")} \
+        == {0o666 & ~_umask()} and mode(tmp_path / "sharded") == 0o777 & ~_umask()
     a, _ = models.load(tmp_path / "sharded")
     b, _ = models.load("smollm2-135m")
     x = mx.array([[1, 2, 3, 4]])
@@ -123,7 +127,7 @@ def test_large_writes_are_refused_up_front_when_the_disk_is_short(tmp_path, monk
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 9 << 30, 1 << 30))
     require_free(tmp_path / "not" / "yet", 1 << 29, "writing a test file")      # fits
-    with pytest.raises(ValueError, match=r"writing a test file needs 2\.00 GiB free in .*; 1\.00 GiB are"):
+    with pytest.raises(ValueError, match=r"writing a test file needs 2\.00 GiB free in .*; only 1\.00 GiB are free \(set TURBOQUANT_CACHE"):
         require_free(tmp_path / "not" / "yet", 2 << 30, "writing a test file")
     assert not (tmp_path / "not").exists()
     from turboquant.convert import convert_gguf
@@ -155,3 +159,33 @@ def test_make_names_a_short_disk_before_it_creates_the_venv(tmp_path):
     assert short.returncode == 1
     assert short.stderr.startswith("make: creating .venv needs 1000000000.00 GiB free in ")
     assert str(tmp_path) in short.stderr and short.stderr.rstrip().endswith("(free some space)")
+
+
+def _umask() -> int:
+    import os
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_plain_mode_gives_what_open_gives_under_any_umask(tmp_path):
+    """paths.plain_mode: 0o666 (0o777 for a folder or a program) less the umask, read from
+    the system without changing it."""
+    import os
+    import tempfile
+
+    from turboquant.paths import plain_mode
+    old = os.umask(0o027)
+    try:
+        fd, name = tempfile.mkstemp(dir=tmp_path)
+        os.close(fd)
+        assert os.stat(name).st_mode & 0o777 == 0o600
+        plain_mode(name)
+        assert os.stat(name).st_mode & 0o777 == 0o640
+        plain_mode(name, executable=True)
+        assert os.stat(name).st_mode & 0o777 == 0o750
+        plain_mode(tempfile.mkdtemp(dir=tmp_path))
+        assert {p.stat().st_mode & 0o777 for p in tmp_path.iterdir() if p.is_dir()} == {0o750}
+        assert os.umask(0o027) == 0o027                              # left as it was
+    finally:
+        os.umask(old)

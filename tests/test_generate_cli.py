@@ -45,14 +45,18 @@ def test_bad_options_are_one_line_errors(capsys, tmp_path):
         with pytest.raises((ValueError, TypeError)):
             cache_options(codec=bad)
     # every bad cache option is a usage error (exit 2) named on one line, before or after the model loads
-    for opts, said in ((["--codec", '{"codec": "identity", "x": 1}'], "unexpected keyword argument 'x'"),
-                       (["--codec", '{"codec": "turboquant_mse"}'], "missing 1 required positional argument: 'bits'"),
+    for opts, said in ((["--codec", '{"codec": "identity", "x": 1}'], "the config has unknown field(s) 'x'"),
+                       (["--codec", '{"codec": "turboquant_mse"}'], "the config lacks 'bits'"),
                        (["--codec", '{"codec": "turboquant_mse", "bits": "4"}'], "bits"),
                        (["--key-bits", "9"], "must be <= 8"), (["--key-bits", "0"], "must be >= 1"),
                        (["--bits", "0.5"], "argument --bits: no measured configuration fits 0.5 bits"),
                        (["--bits", "0.5", "--profile"],
                         "argument --profile: the profile of smollm2-135m has no configuration within 0.5"),
-                       (["--codec", '{"codec": "centered"}'], "missing 1 required positional argument: 'inner'")):
+                       (["--codec", '{"codec": "centered"}'], "the config lacks 'inner'"),
+                       (["--profile", "--max-kv-size", "64"],
+                        "argument --profile: the profile's configuration at 4.25 bits codes keys before RoPE, which "
+                        "a sliding-window cache cannot hold (its slots do not keep positions in order): leave out "
+                        "--max-kv-size")):
         with pytest.raises(SystemExit) as e:
             main(["generate", "--prompt", "x", "--max-tokens", "1", *opts])
         assert e.value.code == 2 and said in capsys.readouterr().err, opts

@@ -101,6 +101,9 @@ def test_a_file_that_is_not_a_record_is_refused_and_kept(tmp_path):
     write_record(tmp_path / "sub" / "r.json", {"setup": {}, "results": {"a": 1}})
     assert read_record(tmp_path / "sub" / "r.json", "x") == {"setup": {}, "results": {"a": 1}}
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["r.json"]      # no temporary file left
+    probe = tmp_path / "probe"
+    probe.write_text("")                                  # the mode a plain open gives here
+    assert (tmp_path / "sub" / "r.json").stat().st_mode & 0o777 == probe.stat().st_mode & 0o777
     (tmp_path / "odd.json").write_text('{"setup": [], "results": 1}')
     with pytest.raises(ValueError, match="not objects"):
         read_record(tmp_path / "odd.json", "x")

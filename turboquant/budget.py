@@ -159,6 +159,6 @@ def pick(bits: float, dim: int) -> Budget:
     best = best_within(BUDGETS, bits, bits=lambda b: b.bits(dim), score=lambda b: b.measured_increase)
     if best is None:
         lo = min(b.bits(dim) for b in BUDGETS)
-        raise ValueError(f"no measured configuration fits {bits} bits per coordinate at head size "
+        raise ValueError(f"no measured configuration fits {bits:g} bits per coordinate at head size "
                          f"{dim}; the smallest is {lo:g}")
     return best

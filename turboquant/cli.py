@@ -1,16 +1,7 @@
 """turboquant: KV-cache compression for long-context inference in MLX.
 
-commands:
-  turboquant memory    KV-cache bytes for a model preset (Chapter 1's formula)
-  turboquant model     convert (once) and check the installed real models, offline
-  turboquant generate  text from a model through a compressed cache (attention from codes)
-  turboquant chat      a conversation through one compressed cache
-  turboquant calibrate fit calibrated caches for a model, write its profile (Chapter 10)
-  turboquant eval      compare cache configurations on the default model (Chapters 9, 10)
-  turboquant kernels   which fused-kernel back-end is used, why, and its self-check
-  turboquant bench     decode speed: attention from codes vs fp32 (decode), tokens/s (generate)
-
-Run `turboquant COMMAND --help` for the options of each.
+The command line: ``turboquant COMMAND …``; ``turboquant --help`` lists the commands (one
+home: each subparser's help), ``turboquant COMMAND --help`` the options of each.
 """
 from __future__ import annotations
 
@@ -154,7 +145,9 @@ def _load_for_generation(args):
             return model, tok, new_cache(model, options)
         except ValueError as e:
             if "profile" in options:
-                args.parser.error(f"argument --profile: {str(e).replace('profile=True: ', '')}")
+                # the library's message names its keyword; the command line's flag is --max-kv-size
+                args.parser.error("argument --profile: " + str(e).replace("profile=True: ", "")
+                                  .replace("leave out max_kv_size", "leave out --max-kv-size"))
             args.parser.error(f"argument --bits: {e}")
     return model, tok, new_cache(model, options, getattr(args, "load_cache", None))
 
@@ -260,8 +253,12 @@ def _config_names(args) -> list[str]:
     if unknown:
         split = [n for n in CONFIGS if " " in n and " ".join(args.configs).find(n) >= 0 and n not in names]
         hint = (f" (a name with spaces is one argument: quote it, e.g. --configs \"{split[0]}\")" if split else "")
-        args.parser.error(f"argument --configs: unknown configuration(s) {', '.join(map(repr, unknown))}{hint}; "
-                          f"valid: 'chapter', 'all', " + ", ".join(repr(n) for n in CONFIGS))
+        import difflib
+        close = [] if split else difflib.get_close_matches(unknown[0], list(CONFIGS), n=3)
+        near = f" (closest: {', '.join(map(repr, close))})" if close else ""
+        args.parser.error(f"argument --configs: unknown configuration(s) {', '.join(map(repr, unknown))}{hint}"
+                          f"{near}; valid: 'chapter', 'all' or one of the {len(CONFIGS)} names "
+                          "`turboquant eval --list` prints")
     return names
 
 
@@ -570,7 +567,14 @@ def _serve(args) -> int:
         args.parser.error(f"argument --mlx-options: {e}")
     mlx += extra
     from .models import model_folder
-    model_folder(args.model)                      # an unknown model fails before the banner
+    folder = model_folder(args.model)             # an unknown model fails before the banner
+    if "bits" in options and "profile" not in options:   # so does a budget the server's thread would refuse
+        from .budget import pick
+        config = json.loads((folder / "config.json").read_text())
+        try:
+            pick(options["bits"], config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        except ValueError as e:
+            args.parser.error(f"argument --bits: {e}")
     what = "mlx-lm's uncompressed caches" if args.plain else f"caches {options}"
     print(f"turboquant serve: {args.model} on http://{args.host}:{args.port} (OpenAI-compatible: "
           f"/v1/chat/completions, /v1/completions), {what}", file=sys.stderr, flush=True)
@@ -635,9 +639,30 @@ def _decode_options(parser, hidden: bool = False) -> None:
     parser.add_argument("--quiet", action="store_true", help=h("no progress lines"))
 
 
+class _Help(argparse.HelpFormatter):
+    """Each option's help ends with its default, unless it has none (None, False) or the help
+    already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or action.default in (None, False, argparse.SUPPRESS)
+                or "default" in text):
+            return text
+        default = " ".join(map(str, action.default)) if isinstance(action.default, list) else "%(default)s"
+        return f"{text} (default: {default})".lstrip()
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every command's parser (subparsers take their parent's class): defaults in its help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="turboquant", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="turboquant", description=__doc__.splitlines()[0],
+                epilog="Run `turboquant COMMAND --help` for the options of each.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            title="commands", help="one of:")
     m = sub.add_parser("memory", help="KV-cache bytes for a model preset (Chapter 1's formula)")
@@ -657,18 +682,18 @@ def main(argv=None) -> int:
     d.add_argument("--model", choices=["all", *sorted(MODELS)], default="all")
     d.add_argument("--folder", default=None, help="where the converted model lives "
                    "(default: $TURBOQUANT_CACHE/models/<name>; needs one --model)")
-    d.add_argument("--prompt", default="The capital of France is")
+    d.add_argument("--prompt", default="The capital of France is", help="the check's prompt")
     d.add_argument("--expect", default="Paris", help="fail unless this word's first token is among the "
                    "--top most likely next tokens ('' to skip)")
-    d.add_argument("--top", type=_int_at_least(1), default=3)
-    d.add_argument("--max-tokens", type=_int_at_least(1), default=8)
+    d.add_argument("--top", type=_int_at_least(1), default=3, help="how many of the likeliest next tokens count")
+    d.add_argument("--max-tokens", type=_int_at_least(1), default=8, help="greedy tokens printed after the prompt")
     d.set_defaults(run=_model)
 
     names = ", ".join(sorted(MODELS))
     gen = sub.add_parser("generate", help="text from a model through a compressed cache (attention from codes)")
     gen.add_argument("--model", default="smollm2-135m", help=f"{names}, or the path of an mlx-lm model folder")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=_int_at_least(1), default=100)
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-tokens", type=_int_at_least(1), default=100, help="greedy tokens to generate at most")
     _cache_arguments(gen)
     gen.add_argument("--save-cache", default=None, help="save the prompt cache here afterwards")
     gen.add_argument("--overwrite", action="store_true", help="let --save-cache replace an existing file")
@@ -759,11 +784,12 @@ def main(argv=None) -> int:
                     help="calibrated configurations are fitted on keys moved by RoPE to positions spread "
                          "below this (default: the model's context; 0: where the 512-token windows put them)")
     nd.add_argument("--out", default=None,
-                    help="JSON written after every configuration × context; an existing file resumes")
+                    help="JSON written after every configuration × context (its folder is made if missing); an "
+                         "existing file resumes; without --out nothing is saved")
     nd.add_argument("--quiet", action="store_true", help="no progress bars")
     nd.set_defaults(run=_needle)
 
-    lc = sub.add_parser("longctx", help="long context over real code: signature questions far back, per cache",
+    lc = sub.add_parser("longctx", help="long-context retrieval per cache: questions about function signatures far back in real code",
                         description="This package's own source fills the context (code no model was trained "
                         "on); questions ask for the signature of functions defined far back. Per cache "
                         "configuration (each in its own process): answers right, cache bytes, prefill and "
@@ -832,7 +858,8 @@ def main(argv=None) -> int:
     sv.add_argument("--max-tokens", type=_int_at_least(1), default=512, help="default answer length")
     sv.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     sv.add_argument("--mlx-options", default=None, help="further mlx_lm.server options, quoted "
-                    "(e.g. \"--temp 0.7 --chat-template-args '{}'\")")
+                    "(e.g. \"--temp 0.7 --chat-template-args '{}'\"; one option without a value needs the = "
+                    "form: --mlx-options=--trust-remote-code)")
     sv.add_argument("--attention", choices=["codes", "decoded"], default="codes",
                     help="attention computed from the codes (default) or on decoded keys and values")
     sv.add_argument("--plain", action="store_true", help="mlx-lm's own uncompressed caches (the load test's baseline)")

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .paths import require_free
+from .paths import plain_mode, require_free
 
 __all__ = ["unpermute_qk", "convert_gguf", "check_out_dir", "written_here", "weight_files", "HF_NAMES",
            "GEMMA3_NAMES", "GEMMA_CHAT_TEMPLATE", "SHARD_BYTES"]
@@ -229,6 +229,7 @@ def _write_shards(weights, folder: Path, total: int, progress: bool) -> list[str
         nonlocal shard, size
         name = "model.safetensors" if one else f"model-{len(names) + 1:05d}.safetensors"
         save_file(shard, str(folder / name), metadata={"format": "pt"})
+        plain_mode(folder / name)                                  # safetensors writes 0600
         names.append(name)
         shard, size = {}, 0
 
@@ -339,7 +340,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     need = _float32_bytes(reader)
     require_free(out_dir.parent, need + (256 << 20), f"converting {gguf_path.name} to float32 weights")
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".part-", dir=out_dir.parent))
-    tmp.chmod(0o755)
+    plain_mode(tmp)
     try:
         if progress:
             print(f"turboquant: converting {gguf_path.name} to float32 in {out_dir} (once)", flush=True)

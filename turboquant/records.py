@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from .paths import plain_mode
+
 __all__ = ["read_record", "write_record"]
 
 
@@ -36,6 +38,7 @@ def write_record(path, record: dict) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(record, indent=1))
+        plain_mode(tmp)                                     # mkstemp's 0600 is not what open gives
         os.replace(tmp, path)                               # never a half-written file
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -59,6 +59,15 @@ def from_config(config: Mapping) -> "Codec":
     if name not in CODECS:
         raise ValueError(f"unknown codec {name!r}; known: {sorted(CODECS)}")
     kwargs = {k: v for k, v in config.items() if k != "codec"}
+    params = list(inspect.signature(CODECS[name].__init__).parameters.values())[1:]    # past self
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    missing = [p.name for p in params if p.name in named and p.default is p.empty and p.name not in kwargs]
+    unknown = [] if any(p.kind == p.VAR_KEYWORD for p in params) else sorted(set(kwargs) - named)
+    if missing or unknown:
+        raise ValueError(f"codec {name!r}: the config " + "; ".join(
+            ([f"lacks {', '.join(map(repr, missing))}"] if missing else []) +
+            ([f"has unknown field(s) {', '.join(map(repr, unknown))}"] if unknown else [])) +
+            f" (its fields: {', '.join(sorted(named))}), got {dict(config)!r}")
     return CODECS[name](**kwargs)
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..paths import plain_mode
 from .backend import Backend
 
 __all__ = ["CpuKernels", "ENCODE_ROWS", "MATMUL_ROWS", "build", "self_check", "machine_signature", "env_arch", "compile_attempts", "SOURCE", "ARCH_ENV"]
@@ -125,6 +126,7 @@ def build(cxx: str, arch: str = "native") -> tuple[Path, str]:
     if proc.returncode:
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr[-4000:]}")
+    plain_mode(tmp, executable=True)                        # mkstemp's 0600, as the compiler left it
     os.replace(tmp, so)
     return so, "\n".join(messages) + "\n" + proc.stderr
 
