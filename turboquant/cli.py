@@ -568,11 +568,16 @@ def _serve(args) -> int:
     mlx += extra
     from .models import model_folder
     folder = model_folder(args.model)             # an unknown model fails before the banner
-    if "bits" in options and "profile" not in options:   # so does a budget the server's thread would refuse
+    if not args.plain and "bits" in options and "profile" not in options:   # so does a budget its thread refuses
         from .budget import pick
         config = json.loads((folder / "config.json").read_text())
         try:
-            pick(options["bits"], config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+            dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        except (KeyError, TypeError, ZeroDivisionError):
+            dim = None                            # another layout of config: the server's own check decides
+        try:
+            if dim:
+                pick(options["bits"], dim)
         except ValueError as e:
             args.parser.error(f"argument --bits: {e}")
     what = "mlx-lm's uncompressed caches" if args.plain else f"caches {options}"
@@ -644,11 +649,13 @@ class _Help(argparse.HelpFormatter):
     already says it."""
 
     def _get_help_string(self, action):
+        import shlex
         text = action.help or ""
-        if (not action.option_strings or action.default in (None, False, argparse.SUPPRESS)
-                or "default" in text):
+        if (not action.option_strings or action.default is None or action.default is False
+                or action.default is argparse.SUPPRESS or action.default == [] or "(default" in text):
             return text
-        default = " ".join(map(str, action.default)) if isinstance(action.default, list) else "%(default)s"
+        default = (shlex.join(map(str, action.default)) if isinstance(action.default, list)
+                   else "%(default)s")
         return f"{text} (default: {default})".lstrip()
 
 
@@ -661,25 +668,26 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
-    p = _Parser(prog="turboquant", description=__doc__.splitlines()[0],
+    p = _Parser(prog="turboquant", description="turboquant: KV-cache compression for long-context inference in MLX.",
                 epilog="Run `turboquant COMMAND --help` for the options of each.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            title="commands", help="one of:")
     m = sub.add_parser("memory", help="KV-cache bytes for a model preset (Chapter 1's formula)")
-    m.add_argument("--preset", choices=sorted(memory.PRESETS), default="llama-3.1-8b")
-    m.add_argument("--context", type=_int_at_least(1), nargs="+", default=[4096, 32768, 131072])
+    m.add_argument("--preset", choices=sorted(memory.PRESETS), default="llama-3.1-8b", help="the model's geometry")
+    m.add_argument("--context", type=_int_at_least(1), nargs="+", default=[4096, 32768, 131072],
+                   help="context lengths in tokens")
     m.add_argument("--bits", type=_bits, nargs="+", default=[16, 8, 4, 3, 2],
                    help="payload bits per coordinate (the codec's index bits; --side adds side information)")
     m.add_argument("--side", choices=["none", "norm", "affine"], default="norm",
                    help="side information per vector for bits < 16 (default: one fp16 norm)")
     m.add_argument("--group-size", type=_int_at_least(1), default=None,
                    help="affine group size for --side affine (default 64)")
-    m.add_argument("--batch", type=_int_at_least(1), default=1)
+    m.add_argument("--batch", type=_int_at_least(1), default=1, help="sequences held at once")
     m.set_defaults(run=_memory)
 
     from .models import MODELS
     d = sub.add_parser("model", help="convert (once) and check the installed real models offline")
-    d.add_argument("--model", choices=["all", *sorted(MODELS)], default="all")
+    d.add_argument("--model", choices=["all", *sorted(MODELS)], default="all", help="which installed model")
     d.add_argument("--folder", default=None, help="where the converted model lives "
                    "(default: $TURBOQUANT_CACHE/models/<name>; needs one --model)")
     d.add_argument("--prompt", default="The capital of France is", help="the check's prompt")
@@ -847,16 +855,17 @@ def main(argv=None) -> int:
     sv.add_argument("--model", default="smollm2-135m", help=f"{names}, or the path of an mlx-lm model folder")
     _cache_arguments(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    sv.add_argument("--port", type=_int_in(1, 65535), default=8080)
+    sv.add_argument("--port", type=_int_in(1, 65535), default=8080, help="port to listen on")
     sv.add_argument("--prompt-cache-bytes", type=_size, default=None,
                     help="bound on the bytes of the conversations kept for reuse (e.g. 64MB; the codes' real bytes)")
     sv.add_argument("--prompt-cache-size", type=_int_at_least(1), default=10,
                     help="at most this many conversations kept for reuse")
     sv.add_argument("--decode-concurrency", type=_int_at_least(1), default=32, help="sequences decoded together")
     sv.add_argument("--prompt-concurrency", type=_int_at_least(1), default=8, help="prompts prefilled together")
-    sv.add_argument("--prefill-step-size", type=_int_at_least(1), default=2048)
-    sv.add_argument("--max-tokens", type=_int_at_least(1), default=512, help="default answer length")
-    sv.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    sv.add_argument("--prefill-step-size", type=_int_at_least(1), default=2048, help="prompt tokens per prefill step")
+    sv.add_argument("--max-tokens", type=_int_at_least(1), default=512, help="answer length when a request sets none")
+    sv.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                    help="the server's log level")
     sv.add_argument("--mlx-options", default=None, help="further mlx_lm.server options, quoted "
                     "(e.g. \"--temp 0.7 --chat-template-args '{}'\"; one option without a value needs the = "
                     "form: --mlx-options=--trust-remote-code)")

@@ -44,7 +44,10 @@ def plain_mode(path: Path, executable: bool = False) -> None:
     atomically (a record, a joined GGUF, a converted model, a compiled kernel)."""
     path = Path(path)
     mask = _umask()
-    os.chmod(path, (0o777 if executable or path.is_dir() else 0o666) & ~mask)
+    try:
+        os.chmod(path, (0o777 if executable or path.is_dir() else 0o666) & ~mask)
+    except OSError:                             # a file system without POSIX modes: what it gives stays
+        pass
 
 
 def _umask() -> int:

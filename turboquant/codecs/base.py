@@ -67,7 +67,7 @@ def from_config(config: Mapping) -> "Codec":
         raise ValueError(f"codec {name!r}: the config " + "; ".join(
             ([f"lacks {', '.join(map(repr, missing))}"] if missing else []) +
             ([f"has unknown field(s) {', '.join(map(repr, unknown))}"] if unknown else [])) +
-            f" (its fields: {', '.join(sorted(named))}), got {dict(config)!r}")
+            f" (its fields: {', '.join(sorted(named))}; the config's: {', '.join(map(str, config))})")
     return CODECS[name](**kwargs)
 
 
