@@ -569,11 +569,13 @@ def _serve(args) -> int:
     from .models import model_folder
     folder = model_folder(args.model)             # an unknown model fails before the banner
     if not args.plain and "bits" in options and "profile" not in options:   # so does a budget its thread refuses
+        from types import SimpleNamespace
+
         from .budget import pick
         config = json.loads((folder / "config.json").read_text())
-        try:
-            dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        except (KeyError, TypeError, ZeroDivisionError):
+        try:                                      # the head size as the loaded model will give it
+            dim = memory.geometry_from_model(SimpleNamespace(args=SimpleNamespace(**config))).head_dim
+        except (AttributeError, TypeError, ZeroDivisionError):
             dim = None                            # another layout of config: the server's own check decides
         try:
             if dim:
