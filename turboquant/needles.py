@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-__all__ = ["needle_grid", "needle_table", "needle_scores"]
+__all__ = ["needle_grid", "needle_table", "needle_scores", "reads_code"]
 
 HAYSTACK = "lee"      # the distractor text: prose no profile is calibrated on
 
@@ -150,6 +150,13 @@ def needle_table(record: dict) -> list[dict]:
     return rows
 
 
+def reads_code(trial: dict) -> bool:
+    """Whether a scored trial reads the code: its probability given the answer's start is above
+    1/2, so each of its tokens is the likeliest at its step and a greedy answer that starts
+    right writes it (sufficient, not necessary). The one home of that rule."""
+    return trial["code_logp"] > -math.log(2)
+
+
 def needle_scores(record: dict) -> list[dict]:
     """Per configuration × context × depth whose trials carry the right answer's scores
     (``evaluation.needle.answer_logprobs``; trials recorded before them do not): {"configuration",
@@ -166,7 +173,7 @@ def needle_scores(record: dict) -> list[dict]:
             if ts:
                 out.append({"configuration": name, "context": c["context"], "depth": c["depth"], "n": len(ts),
                             "starts": sum(t["start_margin"] > 0 for t in ts),
-                            "reads": sum(t["code_logp"] > -math.log(2) for t in ts),
+                            "reads": sum(map(reads_code, ts)),
                             "lead": sum(t["start_margin"] for t in ts) / len(ts),
                             "code_logp": sum(t["code_logp"] for t in ts) / len(ts)})
     return out
