@@ -593,10 +593,12 @@ def test_a_profile_may_code_keys_before_rope_and_its_caches_say_so(model, profil
     assert all(isinstance(c, PreRopeCache) for c in loaded) and loaded[0].rope == cache[0].rope
     nxt = mx.array([[11, 12]])
     assert mx.array_equal(model(nxt, cache=cache), model(nxt, cache=loaded)).item()
-    with pytest.raises(ValueError, match="codes keys before RoPE, which a sliding-window cache cannot hold"):
+    with pytest.raises(ValueError, match="codes keys before RoPE, which this cache cannot hold: max_kv_size makes"):
         tq.make_prompt_cache(model, bits=4.25, profile=str(path), max_kv_size=64)
     # the 3.25-bit entry stays after RoPE: a plain cache
     assert not isinstance(tq.make_prompt_cache(model, bits=3.3, profile=str(path))[0], PreRopeCache)
+    from turboquant.prompt_cache import codes_keys_before_rope          # the question asked ahead of a cache
+    assert codes_keys_before_rope(model, 4.25, str(path)) and not codes_keys_before_rope(model, 3.3, str(path))
     bad = json.loads(json.dumps(forced))
     bad["budgets"][0]["choice"]["pre_rope"] = 1
     cal.save_profile(bad, tmp_path / "bad.json")

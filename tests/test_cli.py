@@ -180,6 +180,35 @@ def test_bench_generate_refuses_bad_bits_before_loading(capsys):
         assert e.value.code == 2 and f"unrecognized arguments: {bad}" in capsys.readouterr().err
 
 
+def test_a_wrong_model_or_option_is_a_usage_error_of_the_command(capsys, tmp_path):
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{")
+    (tmp_path / "alien").mkdir()
+    (tmp_path / "alien" / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    for command in ("needle", "longctx", "chat", "eval", "calibrate", "serve"):
+        for model, why in (("nosuch", "neither an installed model"), (tmp_path, "no config.json"),
+                           (tmp_path / "broken", "is not valid JSON"), (tmp_path / "alien", "no model type")):
+            with pytest.raises(SystemExit) as e:           # every command alike: status 2, its own usage
+                cli.main([command, "--model", str(model)])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and f"turboquant {command}: error: argument --model:" in err and why in err
+            assert f"usage: turboquant {command}" in err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["kernels", "--nosuch"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: turboquant kernels" in err and "unrecognized arguments: --nosuch" in err
+
+
+def test_model_refusal_opens_nothing(tmp_path):
+    from turboquant.models import MODELS, model_refusal
+    assert all(model_refusal(name) is None for name in MODELS)
+    assert "neither an installed model" in model_refusal("nosuch")
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert model_refusal(tmp_path) is None
+    (tmp_path / "config.json").write_text('[1, 2]')
+    assert "no model type None" in model_refusal(tmp_path)
+
+
 def test_model_command_checks_paris(capsys):
     # every installed model is checked by `make model` before the tests; here the command once
     assert cli.main(["model", "--model", "smollm2-135m"]) == 0

@@ -492,7 +492,7 @@ def test_make_prompt_cache_pre_rope_is_the_one_place_keys_go_before_rope(llama, 
         real(llama, bits=4.25, pre_rope=True, turned_mean=True)
     with pytest.raises(ValueError, match="leave pre_rope out"):
         real(llama, bits=4.25, pre_rope=True, profile={"budgets": []})
-    with pytest.raises(ValueError, match="pre_rope=True codes keys before RoPE, which a sliding-window cache"):
+    with pytest.raises(ValueError, match="pre_rope=True codes keys before RoPE, which this cache cannot hold: max_kv_size"):
         real(llama, bits=4.25, pre_rope=True, max_kv_size=64)
     gemma = tiny_model("gemma3", num_layers=6, hidden_size=64)
     with pytest.raises(ValueError, match="does not allow: the model has sliding-window layers"):

@@ -142,12 +142,16 @@ def _load_for_generation(args):
         return model, tok, new_cache(model, options, args.load_cache)
     if "bits" in options:                # a budget below every measured configuration is a usage error
         try:
+            if "profile" in options and options.get("max_kv_size") is not None:
+                from .prompt_cache import codes_keys_before_rope, window_refusal
+                if codes_keys_before_rope(model, options["bits"], options["profile"]):
+                    args.parser.error(f"argument --profile: the profile's configuration at {options['bits']:g} "
+                                      "bits codes keys before RoPE, which this cache cannot hold: "
+                                      f"{window_refusal(options['max_kv_size'], '--max-kv-size')}")
             return model, tok, new_cache(model, options)
         except ValueError as e:
             if "profile" in options:
-                # the library's message names its keyword; the command line's flag is --max-kv-size
-                args.parser.error("argument --profile: " + str(e).replace("profile=True: ", "")
-                                  .replace("leave out max_kv_size", "leave out --max-kv-size"))
+                args.parser.error("argument --profile: " + str(e).replace("profile=True: ", ""))
             args.parser.error(f"argument --bits: {e}")
     return model, tok, new_cache(model, options, getattr(args, "load_cache", None))
 
@@ -892,9 +896,16 @@ def main(argv=None) -> int:
     lt.add_argument("--out", default=None, help="write the results as JSON here")
     lt.add_argument("--quiet", action="store_true", help="no progress lines")
     lt.set_defaults(run=_loadtest)
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
     args.parser = {"memory": m, "model": d, "generate": gen, "chat": ch, "eval": e, "kernels": k, "calibrate": c, "needle": nd, "longctx": lc, "serve": sv, "loadtest": lt,
                    "bench": {"decode": bd, "generate": bg}.get(getattr(args, "what", None), b)}[args.command]
+    if extra:                                  # named by the command's own usage, not the top-level one
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command != "model" and isinstance(getattr(args, "model", None), str):
+        from .models import model_refusal      # a wrong --model is a usage error before any work
+        refusal = model_refusal(args.model)
+        if refusal:
+            args.parser.error(f"argument --model: {refusal}")
     try:
         # where results go is checked before the work that produces them
         if getattr(args, "save_cache", None):

@@ -53,9 +53,9 @@ def cache_options(bits: Optional[float] = None, key_bits: Optional[int] = None, 
             raise ValueError(f"{flag} says where a budget's centred keys learn their mean (--bits), not for "
                              f"{chosen[0]}")
         from .prompt_cache import window_refusal
-        refusal = window_refusal(max_kv_size) if turned_mean else None
+        refusal = window_refusal(max_kv_size, "--max-kv-size") if turned_mean else None
         if refusal:                                       # before any model loads
-            raise ValueError(f"--turned-mean: {refusal.replace('max_kv_size', '--max-kv-size', 1)}")
+            raise ValueError(f"--turned-mean: {refusal}")
         return {**cache_options(bits=DEFAULT_BITS if bits is None else bits, max_kv_size=max_kv_size),
                 "turned_mean": turned_mean}
     opts: dict = {"max_kv_size": max_kv_size}

@@ -279,18 +279,33 @@ def _model_folder(name_or_path, folder=None) -> Path:
     else:
         if folder is not None:
             raise ValueError("folder= applies to installed model names only, not to a path")
+        refusal = model_refusal(name_or_path)
+        if refusal:
+            raise ValueError(refusal)
         folder = Path(name_or_path)
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"{str(name_or_path)!r} is neither an installed model {sorted(MODELS)} nor an "
-                             "mlx-lm model folder (no config.json there)")
-        try:
-            model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-        except ValueError as e:
-            raise ValueError(f"{folder / 'config.json'} is not valid JSON: {e}") from e
-        from mlx_lm.utils import MODEL_REMAPPING
-        if importlib.util.find_spec(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}") is None:
-            raise ValueError(f"{folder}: mlx-lm has no model type {model_type!r}")
     return folder
+
+
+def model_refusal(name_or_path) -> str | None:
+    """Why ``name_or_path`` names no model ``load`` can open, or ``None`` when it does: an
+    installed model's name, or a folder whose ``config.json`` is of a model type mlx-lm has.
+    Nothing is converted or loaded, so a command line can refuse a wrong name at once."""
+    if isinstance(name_or_path, str) and name_or_path in MODELS:
+        return None
+    folder = Path(name_or_path)
+    if not (folder / "config.json").is_file():
+        return (f"{str(name_or_path)!r} is neither an installed model {sorted(MODELS)} nor an "
+                "mlx-lm model folder (no config.json there)")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except ValueError as e:
+        return f"{folder / 'config.json'} is not valid JSON: {e}"
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    from mlx_lm.utils import MODEL_REMAPPING
+    if not isinstance(model_type, str) or \
+            importlib.util.find_spec(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}") is None:
+        return f"{folder}: mlx-lm has no model type {model_type!r}"
+    return None
 
 
 def model_folder(name_or_path: str | os.PathLike = DEFAULT_NAME) -> Path:

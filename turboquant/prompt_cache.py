@@ -18,7 +18,8 @@ from .memory import cache_count, check_layers, geometry_from_model, model_finger
 
 __all__ = ["make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prompt_cache", "model_geometry",
            "check_layers", "cache_count", "content_digest", "model_fingerprint",
-           "FORMAT", "FORMAT_VERSION", "pre_rope_refusal", "turned_mean_refusal", "window_refusal"]
+           "FORMAT", "FORMAT_VERSION", "pre_rope_refusal", "turned_mean_refusal", "window_refusal",
+           "codes_keys_before_rope"]
 
 def _ring_layout(c) -> tuple[int, int, int, int]:
     """(offset, keep, max_size, write position) of an mlx-lm ``RotatingKVCache`` through its
@@ -116,13 +117,23 @@ def pre_rope_refusal(model) -> "str | None":
     return None
 
 
-def window_refusal(max_kv_size: Optional[int]) -> "str | None":
-    """Why the turned key mean cannot go with ``max_kv_size`` (every layer then a sliding
-    window), or None when ``max_kv_size`` is None: the part of ``turned_mean_refusal`` that needs
-    no model, so a command line can refuse the pair before a model loads."""
+def window_refusal(max_kv_size: Optional[int], name: str = "max_kv_size") -> "str | None":
+    """Why neither the turned key mean nor keys coded before RoPE can go with ``max_kv_size``
+    (every layer then a sliding window), or None when ``max_kv_size`` is None: the part of
+    ``turned_mean_refusal`` that needs no model, so a command line can refuse the pair before a
+    model loads. ``name`` is what the caller calls the option (``--max-kv-size`` on a command
+    line)."""
     if max_kv_size is None:
         return None
-    return "max_kv_size makes every layer a sliding window, whose ring of slots does not hold positions in order"
+    return f"{name} makes every layer a sliding window, whose ring of slots does not hold positions in order"
+
+
+def codes_keys_before_rope(model, bits: float, profile=True) -> bool:
+    """Whether ``make_prompt_cache(model, bits=bits, profile=profile)`` codes the keys before
+    RoPE (the profile's choice at that budget says so), so that a caller can refuse what cannot
+    go with it — a sliding window (``window_refusal``) — before a cache is built. Raises what
+    ``make_prompt_cache`` raises for a model without a profile or a budget the profile lacks."""
+    return _budget(bits, _head_dim(model), None, None, 0, model, profile)[3]
 
 
 def turned_mean_refusal(model, max_kv_size: Optional[int] = None) -> "str | None":
@@ -243,9 +254,9 @@ def make_prompt_cache(model, key_codec: CodecSpec = None, value_codec: CodecSpec
         refusal = pre_rope_refusal(model)
         if refusal:
             raise ValueError(f"{what} codes keys before RoPE, which this model does not allow: {refusal}")
-        if max_kv_size is not None:
-            raise ValueError(f"{what} codes keys before RoPE, which a sliding-window cache cannot hold (its "
-                             "slots do not keep positions in order): leave out max_kv_size")
+        refusal = window_refusal(max_kv_size)
+        if refusal:
+            raise ValueError(f"{what} codes keys before RoPE, which this cache cannot hold: {refusal}")
     reference = _mlx_reference(model, max_kv_size)
     out = []
     for i, c in enumerate(reference):
