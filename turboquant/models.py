@@ -27,7 +27,7 @@ import mlx.core as mx
 from .checks import check_int
 from .paths import cache_root, plain_mode, require_free
 
-__all__ = ["check", "model_folder", "tiny_model", "ByteTokenizer", "run_in_chunks", "MODELS", "DEFAULT_NAME", "DEFAULT_MODEL", "cache_root",
+__all__ = ["check", "model_folder", "model_refusal", "tiny_model", "ByteTokenizer", "run_in_chunks", "MODELS", "DEFAULT_NAME", "DEFAULT_MODEL", "cache_root",
            "model_gguf", "model_dir", "default_gguf", "default_model_dir", "load", "load_default", "load_tokenizer"]
 
 
