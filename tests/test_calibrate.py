@@ -226,16 +226,18 @@ def test_calibrate_cli_refuses_bad_arguments(argv, message, capsys):
 def test_calibrate_cli_refuses_a_budget_out_of_range_before_loading_a_model(capsys):
     from turboquant import cli
     with pytest.raises(SystemExit) as e:
-        cli.main(["calibrate", "--model", "/no/such/model", "--budgets", "4", "9"])
+        cli.main(["calibrate", "--model", "smollm2-135m", "--budgets", "4", "9"])
     assert e.value.code == 2 and "argument --budgets: bits per coordinate must be in (0, 8], got 9" \
         in capsys.readouterr().err
 
 
 def test_calibrate_cli_reports_a_missing_model_in_one_line(capsys):
     from turboquant import cli
-    assert cli.main(["calibrate", "--model", "/no/such/model", "--budgets", "4"]) == 1
+    with pytest.raises(SystemExit) as e:                  # a usage error, as for every command
+        cli.main(["calibrate", "--model", "/no/such/model", "--budgets", "4"])
     err = capsys.readouterr().err
-    assert "turboquant calibrate: error" in err and "/no/such/model" in err and "Traceback" not in err
+    assert e.value.code == 2 and "turboquant calibrate: error: argument --model:" in err \
+        and "/no/such/model" in err and "Traceback" not in err
 
 
 def test_a_budget_without_candidates_is_refused(model):
