@@ -33,34 +33,55 @@ def gemma():
     return load("gemma3-270m")
 
 
-def alone(model, prompt, cache, n=N_NEW, step=256):
-    """Greedy tokens of one sequence through ``cache`` (mlx-lm's own single-sequence loop)."""
-    gen = generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=n, prefill_step_size=step)
-    return [int(t) for (t, _), _ in zip(gen, range(n))]
-
-
 def batched(model, tok, prompts, make, n=N_NEW, step=256, **kw):
     return batch_generate(model, tok, prompts, max_tokens=n, prompt_caches=[make() for _ in prompts],
-                          return_prompt_caches=True, verbose=False, prefill_step_size=step, **kw)
+                          return_prompt_caches=True, return_token_ids=True, verbose=False,
+                          prefill_step_size=step, **kw)
 
 
-def check_equal(model, tok, prompts, make, n=N_NEW, step=256, codes=False, **kw):
-    """Batched greedy tokens equal each prompt's tokens alone. Strictly this also needs the
-    model to compute a sequence in a batch close enough to alone that no key crosses a
-    quantization level boundary: a flipped code is a real change that grows through the
-    layers (Chapter 7). On the machine the book was built on the padded batched forward
-    differs from single ones by ~5e-5 in the logits and no code flips in these runs; should a
-    machine flip one, the message says how far its batched forward drifts.
-    ``test_rows_receive_exactly_their_tokens`` checks the cache's own exactness on any machine."""
+def forced(model, prompt, cache, tokens, step=256):
+    """Log-probabilities of ``tokens`` (the batch's greedy continuation) when one sequence runs
+    alone through ``cache`` with each of them forced in turn (mlx-lm's own loop, whose sampler
+    returns the forced token): how far each forced token falls short of the alone run's best, in
+    nats (0 where it is the alone run's greedy choice)."""
+    seen = []
+
+    def sampler(logprobs):
+        seen.append(logprobs[0])
+        return mx.array([tokens[min(len(seen), len(tokens)) - 1]])
+
+    for _ in generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=len(tokens),
+                           sampler=sampler, prefill_step_size=step):
+        pass
+    return [float(lp.max() - lp[t]) for lp, t in zip(seen, tokens)]
+
+
+# How far a batch's greedy token may fall short of the alone run's best. A batch computes the same
+# compressed model, but the model's own padded batched forward differs from a single one in the last
+# bits (``batch_drift``: ~5e-5 to 2e-4 in the logits on the CPUs tried), and a rounding-level change
+# can move a key across a quantization level: a flipped code is a real change that grows through the
+# layers (Chapter 7), so batched and alone greedy text may part at a near-tie, on some CPUs and not
+# others. Measured worst on the runs below: 0.025 nats (SmolLM2, 3.25 bits); Gemma 3 at 4.25 bits on
+# code reached 2.2 nats, which is why its tests run at 8.25 bits, where it is 0. A row that reads
+# another's codes, positions or padding is off by 12 to 31 nats at once.
+SHORTFALL = 1.0
+
+
+def follows_alone(model, tok, prompts, make, n=N_NEW, step=256, codes=False, **kw):
+    """Batched greedy tokens are, step by step, the greedy tokens of each sequence run alone
+    through the same caches with the batch's tokens forced, up to ``SHORTFALL`` nats.
+    ``test_rows_receive_exactly_their_tokens`` checks the cache's own exactness, bit for bit,
+    on any machine."""
     if codes:                          # attention from codes, batched (RowsView) and alone
         with codes_attention(model):
-            return check_equal(model, tok, prompts, make, n, step, **kw)
+            return follows_alone(model, tok, prompts, make, n, step, **kw)
     r = batched(model, tok, prompts, make, n=n, step=step, **kw)
     for i, p in enumerate(prompts):
-        single = alone(model, p, make(), n=n, step=step)
-        assert tok.decode(single) == r.texts[i], (
-            f"prompt {i}: alone {tok.decode(single)!r}, batched {r.texts[i]!r} (the model's own batched "
-            f"forward drifts by max |Δlogit| {batch_drift(model, prompts):.2g} on this machine)")
+        short = forced(model, p, make(), r.token_ids[i], step=step)
+        assert max(short) <= SHORTFALL, (
+            f"prompt {i}: batched {r.texts[i]!r} falls short of the alone run by {[round(x, 3) for x in short]} "
+            f"nats (the model's own batched forward drifts by max |Δlogit| {batch_drift(model, prompts):.2g} "
+            "on this machine)")
     return r
 
 
@@ -74,7 +95,10 @@ def test_budget_cache_batched_equals_alone(smol):
     # after RoPE) and an exact sink; the default (the mean turned with each position) below
     model, tok = smol
     ids = [tok.encode(p) for p in PROMPTS]
-    r = check_equal(model, tok, ids, lambda: make_prompt_cache(model, bits=4.25, turned_mean=False))
+    make = lambda: make_prompt_cache(model, bits=4.25, turned_mean=False)     # noqa: E731
+    r = follows_alone(model, tok, ids, make)
+    # the check can fail: another row's tokens fall far short of a sequence's own run
+    assert max(forced(model, ids[0], make(), r.token_ids[2])) > 10 * SHORTFALL
     # what comes back is each sequence's own cache, holding the prompt and the generated tokens
     # (as mlx-lm's own caches do after batch_generate)
     for i, p in enumerate(ids):
@@ -87,13 +111,13 @@ def test_attention_from_codes_on_a_batch(smol, gemma):
     # (the CPU kernels), row by row with the mask its own cache gives; Gemma's rings wrap
     model, tok = smol
     ids = [tok.encode(p) for p in PROMPTS]
-    check_equal(model, tok, ids, lambda: make_prompt_cache(model, bits=4.25), codes=True)
+    follows_alone(model, tok, ids, lambda: make_prompt_cache(model, bits=4.25), codes=True)
     model, tok = gemma
     text = tok.encode(open(__file__.replace("test_batch.py", "../turboquant/cache.py")).read())
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        check_equal(model, tok, [text[:600], text[50:540]], lambda: make_prompt_cache(model, bits=4.25), n=4,
+        follows_alone(model, tok, [text[:600], text[50:540]], lambda: make_prompt_cache(model, bits=8.25), n=4,
                     codes=True)
 
 
@@ -106,17 +130,17 @@ def test_caches_around_rope_batched_equal_alone(smol, wrap, kind):
     model, tok = smol
     ids = [tok.encode(p) for p in PROMPTS]
     make = lambda: wrap(model, make_prompt_cache(model, bits=3.25, turned_mean=False))   # noqa: E731
-    r = check_equal(model, tok, ids, make)
+    r = follows_alone(model, tok, ids, make)
     assert all(isinstance(c, kind) for c in r.caches[0])
     assert [c[0].offset for c in r.caches] == [len(p) + N_NEW for p in ids]
-    check_equal(model, tok, ids, make, codes=True)
+    follows_alone(model, tok, ids, make, codes=True)
 
 
 def test_continuous_batching_extends_and_filters(smol):
     # prefill two at a time: the third sequence joins a running batch (extend), finished ones leave (filter)
     model, tok = smol
     ids = [tok.encode(p) for p in PROMPTS]
-    check_equal(model, tok, ids, lambda: make_prompt_cache(model, bits=3.25), prefill_batch_size=2,
+    follows_alone(model, tok, ids, lambda: make_prompt_cache(model, bits=3.25), prefill_batch_size=2,
                 completion_batch_size=2)
 
 
@@ -125,14 +149,14 @@ def test_sliding_window_that_wraps(smol):
     # window mask does the work; prompts of different lengths are right-padded during prefill
     model, tok = smol
     ids = [tok.encode(p) for p in PROMPTS]
-    check_equal(model, tok, ids, lambda: small_ring(model), step=8)
+    follows_alone(model, tok, ids, lambda: small_ring(model), step=8)
 
 
 def test_exact_recent_window_and_calibrated_profile(smol):
     model, tok = smol
     ids = [tok.encode(p) for p in PROMPTS[1:]]
-    check_equal(model, tok, ids, lambda: make_prompt_cache(model, key_codec=None, fp_window=8, sink_tokens=2))
-    check_equal(model, tok, ids, lambda: make_prompt_cache(model, bits=4.25, profile=True))
+    follows_alone(model, tok, ids, lambda: make_prompt_cache(model, key_codec=None, fp_window=8, sink_tokens=2))
+    follows_alone(model, tok, ids, lambda: make_prompt_cache(model, bits=4.25, profile=True))
 
 
 def test_gemma_sliding_layers_past_the_window(gemma):
@@ -143,7 +167,7 @@ def test_gemma_sliding_layers_past_the_window(gemma):
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        check_equal(model, tok, ids, lambda: make_prompt_cache(model, bits=4.25), n=6)
+        follows_alone(model, tok, ids, lambda: make_prompt_cache(model, bits=8.25), n=6)
 
 
 def _rows_alone_and_batched(make_layer, lengths, N, steps, seed=0):

@@ -102,7 +102,7 @@ def server(request):
 
 def _expected(smol, question: str, turned_mean=None) -> str:
     """The answer alone, in-process, through the same cache (the server batches: see
-    ``check_equal`` in tests/test_batch.py for why that is comparable token for token)."""
+    ``SHORTFALL`` in tests/test_batch.py for when batched and alone text may part)."""
     model, tok = smol
     prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
     with codes_attention(model):                   # as the server computes it (--attention codes)
