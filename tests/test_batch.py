@@ -90,7 +90,7 @@ def small_ring(model, size=12):
     return [TurboQuantRotatingKVCache(size, kc, vc) for _ in model.layers]
 
 
-def test_budget_cache_batched_equals_alone(smol):
+def test_budget_cache_batched_follows_alone(smol):
     # 4.25 bits, the centred rule: centered keys (a mean learnt per sequence from its first tokens
     # after RoPE) and an exact sink; the default (the mean turned with each position) below
     model, tok = smol
@@ -122,7 +122,7 @@ def test_attention_from_codes_on_a_batch(smol, gemma):
 
 
 @pytest.mark.parametrize("wrap, kind", [(turned_mean, TurnedMeanCache), (pre_rope, PreRopeCache)])
-def test_caches_around_rope_batched_equal_alone(smol, wrap, kind):
+def test_caches_around_rope_batched_follow_alone(smol, wrap, kind):
     # turned_mean: each sequence learns its own key mean before RoPE (the shortest prompt is still
     # learning it when decoding starts) and turns it with its own positions; pre_rope (a profile
     # that codes keys before RoPE makes these): each row undoes RoPE at its own positions.
