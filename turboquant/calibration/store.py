@@ -11,7 +11,7 @@ from pathlib import Path
 from .fitting import WINDOW, Choice, capture_statistics, fit_layers, signature
 from .profiles import profile_entry
 
-__all__ = ["profile_codecs", "coder_store_path", "clear_memo", "CODER_STORE_VERSION"]
+__all__ = ["profile_codecs", "profile_choice", "coder_store_path", "clear_memo", "CODER_STORE_VERSION"]
 
 _MEMO: dict = {"model": None, "stats": {}, "codecs": {}}
 
@@ -22,6 +22,16 @@ def clear_memo() -> None:
     _MEMO.update(model=None, stats={}, codecs={})
 
 
+def profile_choice(model, profile: dict, bits: float) -> dict:
+    """The entry of ``profile`` that ``profile_codecs(model, profile, bits)`` builds (its
+    ``"choice"``: bits, outliers, sinks, ``pre_rope``), read without fitting anything;
+    ``ValueError`` for a profile of another model or a budget below its smallest entry."""
+    from ..memory import geometry_from_model
+    if profile.get("signature") != signature(model):
+        raise ValueError(f"the profile is for {profile.get('signature')}, the model is {signature(model)}")
+    return profile_entry(profile, bits, geometry_from_model(model).head_dim)
+
+
 def profile_codecs(model, profile: dict, bits: float, progress: bool = False):
     """(key codecs per layer, value codecs per layer, sink tokens, entry) for the best
     configuration of ``profile`` within ``bits``, fitted on ``model``'s own activations on
@@ -30,10 +40,7 @@ def profile_codecs(model, profile: dict, bits: float, progress: bool = False):
     An entry whose choice has ``pre_rope`` gives key coders for keys with RoPE undone: its
     caches must be wrapped (``prerope.pre_rope``; ``make_prompt_cache`` does it)."""
     import weakref
-    from ..memory import geometry_from_model
-    if profile.get("signature") != signature(model):
-        raise ValueError(f"the profile is for {profile.get('signature')}, the model is {signature(model)}")
-    entry = profile_entry(profile, bits, geometry_from_model(model).head_dim)
+    entry = profile_choice(model, profile, bits)
     choice = Choice(**entry["choice"])
     owner = _MEMO["model"]() if _MEMO["model"] is not None else None
     if owner is not model:                      # another model (or a reused id): start afresh
