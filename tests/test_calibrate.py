@@ -171,7 +171,7 @@ def test_profile_true_without_a_profile_says_how_to_make_one(model, tmp_path, mo
     # the command line gives the same refusal, naming its own option
     import turboquant.models
     from turboquant.cli import main
-    from turboquant.prompt_cache import no_profile_refusal
+    from turboquant.calibration import no_profile_refusal
     monkeypatch.setattr(turboquant.models, "load", lambda name: (model, ByteTokenizer()))
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt", "x", "--bits", "4.25", "--profile"])

@@ -132,6 +132,10 @@ def test_eval_on_several_domains_summarises_each_configurations_worst(tmp_path, 
     (["serve", "--bits", "1"], "argument --bits: no measured configuration fits 1 bits per coordinate at head "
                                "size 64; the smallest is 2.25"),
     (["needle", "--positions", "100"], "argument --positions: at least one 512-token window (and below 2**31), or 0"),
+    (["needle", "--attention", "--contexts", "1024", "2048", "--depths", "0.1"],
+     "argument --contexts: --attention reads one cell; give one value, got 2"),
+    (["needle", "--attention", "--contexts", "1024", "--depths", "1.5"],
+     "argument --depths: depth must lie in [0, 1], got 1.5"),
 ])
 def test_bad_arguments_give_a_usage_message_and_status_2(argv, message, capsys):
     import time

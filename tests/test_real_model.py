@@ -364,3 +364,98 @@ def test_channel_profile_sees_an_outlier_channel_and_the_rotation_spread_it():
     plt.close(fig)
     with pytest.raises(ValueError, match="layer must lie"):
         plot_key_channels([raw], [rot], 1)
+
+
+def test_needle_attention_reads_what_attention_reads(smol):
+    """``needle_attention``'s weights on the code's tokens are the softmax of the model's own
+    queries and keys (recomputed here from ``capture_qkv`` of prompt + answer in one pass);
+    an exact cache adds no score noise and reads the same weights; the default 4.25-bit
+    cache adds noise in every layer; its log p(code | start) is ``answer_logprobs``'."""
+    import mlx.core as mx
+
+    from turboquant.codecs import Identity
+    from turboquant.evaluation import capture_qkv, needle_accuracy, needle_attention
+    model, tok = smol
+    hay = encode_text(tok, load_text("lee"), 400)
+    fp = needle_attention(model, tok, hay, 320, 0.5, "4721", None, chunk=64)
+    ids = needle_prompt(tok, hay, 320, 0.5, "4721")
+    answer = encode_text(tok, " 4721")
+    code = fp["code_tokens"]
+    assert [ids[i] for i in code] == answer[1:]                 # the code's own tokens in the needle
+    qkv = capture_qkv(model, ids + answer[:-1])
+    L = len(answer) - 1
+    for n in (0, 17):
+        q, k, s = qkv[n]["q"][0], qkv[n]["k"][0], qkv[n]["scale"]
+        k = mx.repeat(k, q.shape[0] // k.shape[0], axis=0)
+        T = k.shape[1]
+        w = mx.softmax(mx.where(mx.arange(T)[None] <= (T - L + mx.arange(L))[:, None],
+                                (q[:, -L:] @ k.transpose(0, 2, 1)) * s, -mx.inf), axis=-1)
+        mass = np.array(w[:, :, code[0]:code[-1] + 1].sum(-1).mean(-1))
+        assert np.allclose(fp["mass"][n], mass, atol=1e-4)
+    assert fp["noise"] == [0.0] * len(fp["noise"]) and fp["noise_code"] == [0.0] * len(fp["noise"])
+    exact = needle_attention(model, tok, hay, 320, 0.5, "4721",
+                             lambda: make_prompt_cache(model, key_codec=Identity, value_codec=Identity), chunk=64)
+    assert exact["noise"] == [0.0] * len(fp["noise"]) and np.allclose(exact["mass"], fp["mass"], atol=1e-4)
+    mk = lambda: make_prompt_cache(model, bits=4.25)
+    coded = needle_attention(model, tok, hay, 320, 0.5, "4721", mk, chunk=64)
+    assert all(x > 0 for x in coded["noise"])              # coding adds score noise in every layer
+    t = needle_accuracy(model, tok, hay, [320], [0.5], mk, values=("4721",), chunk=64, max_tokens=1)["trials"][0]
+    assert coded["code_logp"] == pytest.approx(t["code_logp"], abs=1e-3)
+
+
+def test_needle_attention_refuses_what_it_cannot_read(smol):
+    from turboquant.evaluation import needle_attention
+    from turboquant.models import ByteTokenizer, tiny_model
+    gemma = tiny_model("gemma3", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1)
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        needle_attention(gemma, ByteTokenizer(), list(range(1, 400)), 256, 0.5, "4721")
+    model, tok = smol
+    with pytest.raises(ValueError, match="depth must lie in"):
+        needle_attention(model, tok, encode_text(tok, load_text("lee"), 400), 320, 1.5, "4721")
+
+
+def test_the_profile_halves_hold_one_side_exactly(smol):
+    """"profile 4.25, exact keys/values": the shipped profile's coders on one side, the other
+    side ``Identity`` (float32), keys before RoPE only when the profile's keys are coded."""
+    from turboquant.calibration import find_profile
+    from turboquant.calibration.store import profile_codecs
+    from turboquant.codecs import Identity
+    from turboquant.prerope import PreRopeCache
+    from turboquant.suite import CONFIGS
+    model, _ = smol
+    keys, values, _, entry = profile_codecs(model, find_profile(model), 4.25)
+    exact_k = CONFIGS["profile 4.25, exact keys"].make_cache(model)()
+    exact_v = CONFIGS["profile 4.25, exact values"].make_cache(model)()
+    assert all(isinstance(c.key_codec, Identity) and c.value_codec.config() == v.config()
+               for c, v in zip(exact_k, values))
+    assert all(isinstance(c.value_codec, Identity) and c.key_codec.config() == k.config()
+               for c, k in zip(exact_v, keys))
+    assert not isinstance(exact_k[0], PreRopeCache)
+    assert isinstance(exact_v[0], PreRopeCache) == bool(entry["choice"].get("pre_rope"))
+    assert CONFIGS["profile 4.25, exact keys"].bits(64) == (4.25 + 32) / 2
+
+
+def test_a_needle_reading_resumes_and_names_the_reading_layers(smol, tmp_path, monkeypatch):
+    """``needles.needle_reading`` writes its JSON after every configuration and keeps, on a
+    second call, what the file holds; a profile row whose profile changed is read again.
+    ``reading_layers`` are those where fp32's answer gives the code's tokens ≥ 0.1."""
+    import json
+
+    from turboquant import needles
+    from turboquant.evaluation import needle as ev_needle
+    model, tok = smol
+    out = tmp_path / "reading.json"
+    kw = dict(values=1, out=out, progress=False)
+    first = needles.needle_reading(model, tok, ["fp32", "profile 4.25"], 320, 0.5, **kw)
+    assert json.loads(out.read_text()) == first and first["setup"]["kind"] == "needle reading"
+    mass = np.array(first["results"]["fp32"]["trials"][0]["mass"]).sum(-1)
+    assert needles.reading_layers(first) == [n for n in range(len(mass)) if mass[n] >= 0.1] != []
+    calls = []
+    orig = ev_needle.needle_attention
+    monkeypatch.setattr(ev_needle, "needle_attention", lambda *a, **k: calls.append(a[5]) or orig(*a, **k))
+    assert needles.needle_reading(model, tok, ["fp32", "profile 4.25"], 320, 0.5, **kw) == first and calls == []
+    monkeypatch.setattr(needles, "_profile_digest", lambda m: "another profile")
+    again = needles.needle_reading(model, tok, ["fp32", "profile 4.25"], 320, 0.5, **kw)
+    assert calls == ["4721"] and again["results"]["profile 4.25"]["profile_sha256"] == "another profile"
+    with pytest.raises(ValueError, match="another setup"):
+        needles.needle_reading(model, tok, ["fp32"], 320, 0.1, **kw)

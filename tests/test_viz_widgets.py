@@ -324,3 +324,19 @@ def test_the_needle_figure_draws_the_contexts_two_configurations_measured():
     grid["results"] = {"fp32": grid["results"]["fp32"]}
     with pytest.raises(ValueError, match="two configurations"):
         plot_needle_grid(grid)
+
+
+def test_the_needle_reading_figure_draws_each_rows_mass_per_layer():
+    import numpy as np
+
+    from turboquant.viz import plot_needle_reading
+    trial = lambda m: {"mass": [[m, 0.0], [0.0, 2 * m], [m, m]]}       # 3 layers × 2 heads
+    record = {"setup": {"context": 4096, "depth": 0.1, "values": 2},
+              "results": {"fp32": {"trials": [trial(0.2), trial(0.4)]}, "a": {"trials": [trial(0.1)]}}}
+    fig = plot_needle_reading(record, ["a", "fp32"])
+    ax = fig.axes[0]
+    assert [line.get_label() for line in ax.lines] == ["a", "fp32"]
+    assert np.allclose(ax.lines[1].get_ydata(), [0.3, 0.6, 0.6])       # summed over heads, mean over codes
+    assert ax.get_title() == "4,096 tokens, needle at 10% depth, 2 codes"
+    with pytest.raises(ValueError, match="names must be rows of the record .* got \\['c'\\]"):
+        plot_needle_reading(record, ["fp32", "c"])

@@ -143,8 +143,7 @@ def _load_for_generation(args):
     if "bits" in options:                # a budget below every measured configuration is a usage error
         try:
             if options.get("profile") is True:
-                from .calibration.profiles import find_profile
-                from .prompt_cache import no_profile_refusal
+                from .calibration.profiles import find_profile, no_profile_refusal
                 if find_profile(model) is None:
                     args.parser.error(f"argument --profile: {no_profile_refusal('--profile')}")
             if "profile" in options and options.get("max_kv_size") is not None:
@@ -316,7 +315,15 @@ def _needle(args) -> int:
     from .needles import needle_grid, needle_scores, needle_table
     names = _config_names(args)
     _check_positions(args)
+    if args.attention:
+        for option, given in (("--contexts", args.contexts), ("--depths", args.depths)):
+            if len(given) != 1:
+                args.parser.error(f"argument {option}: --attention reads one cell; give one value, got {len(given)}")
+        if not 0.0 <= args.depths[0] <= 1.0:
+            args.parser.error(f"argument --depths: depth must lie in [0, 1], got {args.depths[0]}")
     model, tok = load(args.model)
+    if args.attention:
+        return _needle_reading(args, model, tok, names)
     try:
         record = needle_grid(model, tok, names, args.contexts, args.depths, args.values,
                              model_name=f"{args.model} (float32)", out=args.out, chunk=args.chunk,
@@ -345,6 +352,35 @@ def _needle(args) -> int:
     if unscored:
         print(f"{unscored} cell(s) were recorded before the trials scored the right answer, so they have no "
               "scores; remove their rows from the file to measure them again")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _needle_reading(args, model, tok, names) -> int:
+    import numpy as np
+
+    from .needles import needle_reading, reading_layers
+    try:
+        record = needle_reading(model, tok, names, args.contexts[0], args.depths[0], args.values,
+                                model_name=f"{args.model} (float32)", out=args.out,
+                                calibration_corpus=args.calibration_corpus, progress=not args.quiet,
+                                positions="context" if args.positions is None else args.positions or None)
+    except ValueError as e:
+        args.parser.error(str(e))
+    ref = "fp32" if "fp32" in record["results"] else names[0]
+    layers = reading_layers(record, ref)
+    print(f"where the answer reads the needle at {args.contexts[0]} tokens, {args.depths[0]:.0%} depth "
+          f"({args.values} codes): attention on the code's tokens, summed over heads, in the layers where "
+          f"{ref} gives them ≥ 0.1 ({', '.join(map(str, layers)) or 'none'}); mean score noise there; "
+          "log p(code | start)")
+    W = _width(list(record["results"]), 28)
+    for name, r in record["results"].items():
+        mass = np.mean([t["mass"] for t in r["trials"]], axis=0).sum(-1)
+        noise = np.mean([t["noise"] for t in r["trials"]], axis=0)
+        print(f"{name:{W}s} " + " ".join(f"L{n}:{mass[n]:.2f}" for n in layers)
+              + (f"  noise {noise[layers].mean():.3f}" if layers else "")
+              + f"  log p {np.mean([t['code_logp'] for t in r['trials']]):+.2f}")
     if args.out:
         print(f"wrote {args.out}")
     return 0
@@ -805,6 +841,10 @@ def main(argv=None) -> int:
     nd.add_argument("--out", default=None,
                     help="JSON written after every configuration × context (its folder is made if missing); an "
                          "existing file resumes; without --out nothing is saved")
+    nd.add_argument("--attention", action="store_true",
+                    help="instead of the grid, record where the answer reads the needle (attention on the "
+                         "code's tokens and the score noise per layer) at one context and depth; a few "
+                         "--values suffice")
     nd.add_argument("--quiet", action="store_true", help="no progress bars")
     nd.set_defaults(run=_needle)
 

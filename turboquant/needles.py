@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-__all__ = ["needle_grid", "needle_table", "needle_scores", "reads_code"]
+__all__ = ["needle_grid", "needle_table", "needle_scores", "reads_code", "needle_reading", "reading_layers"]
 
 HAYSTACK = "lee"      # the distractor text: prose no profile is calibrated on
 
@@ -177,3 +177,72 @@ def needle_scores(record: dict) -> list[dict]:
                             "lead": sum(t["start_margin"] for t in ts) / len(ts),
                             "code_logp": sum(t["code_logp"] for t in ts) / len(ts)})
     return out
+
+
+def needle_reading(model, tokenizer, names: Sequence[str], context: int, depth: float, values: int = 3, *,
+                   model_name: str = "", out: Optional[Path] = None, calibration_corpus: str = "wikipedia",
+                   positions="context", progress: bool = True) -> dict:
+    """Where the answer reads the needle (``evaluation.needle.needle_attention``) through each
+    named configuration, for the first ``values`` codes of the grid (``needle_values``) at one
+    ``context`` and ``depth``: {"setup": …, "results": {name: {"family", "bits", "trials":
+    [{"value", "mass" (layers × query heads), "noise", "noise_code" (per layer), "code_logp",
+    "code_tokens"}]}}}. Calibrated rows are fitted as ``needle_grid`` fits them. ``out``: the
+    JSON file written after every configuration; a configuration it holds (same setup) is kept,
+    not re-run."""
+    from .checks import check_int
+    from .data import load_text
+    from .evaluation import encode_text, needle_values
+    from .evaluation.needle import needle_attention
+    from .records import read_record, write_record
+    from .suite import CONFIGS, calibration_statistics
+    values = check_int("values", values, 1)
+    context = check_int("context", context, 64)
+    if not (isinstance(depth, (int, float)) and 0.0 <= depth <= 1.0):
+        raise ValueError(f"depth must lie in [0, 1], got {depth!r}")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        raise ValueError(f"unknown configuration(s) {unknown or names}; known: {sorted(CONFIGS)}")
+    positions = _calibration_positions(model, positions)
+    setup = {**_setup(model_name, [context], [depth], values, 256, calibration_corpus), "context": context,
+             "depth": depth, "kind": "needle reading"}
+    for k in ("contexts", "depths"):
+        setup.pop(k)
+    record = read_record(out, "needle reading") or {"setup": setup, "results": {}}
+    old = {k: v for k, v in record["setup"].items() if k not in ("machine", "mlx", "updates")}
+    if old != {k: v for k, v in setup.items() if k not in ("machine", "mlx")}:
+        raise ValueError(f"{out} holds a reading with another setup ({old}); remove it or choose another --out")
+    hay = encode_text(tokenizer, load_text(HAYSTACK), context)
+    codes = needle_values(values)
+    from .memory import geometry_from_model
+    dim = geometry_from_model(model).head_dim
+    stats = None
+    digest = _profile_digest(model) if any(getattr(CONFIGS[n], "needs_profile", False) for n in names) else None
+    for name in names:
+        held = record["results"].get(name)
+        if held is not None and held.get("profile_sha256") == (digest if CONFIGS[name].needs_profile else None):
+            continue                                      # measured (with the same profile): kept
+        if CONFIGS[name].needs_calibration and stats is None:
+            stats = calibration_statistics(model, tokenizer, names, calibration_corpus, 8, progress,
+                                           positions=positions)
+        make = CONFIGS[name].make_cache(model, stats)
+        trials = []
+        for v in codes:
+            if progress:
+                print(f"needle reading: {name}, code {v}", flush=True)
+            trials.append({"value": v, **needle_attention(model, tokenizer, hay, context, depth, v, make)})
+        record["results"][name] = {"family": CONFIGS[name].family, "bits": CONFIGS[name].bits(dim),
+                                   "trials": trials}
+        if CONFIGS[name].needs_profile:
+            record["results"][name]["profile_sha256"] = digest
+        record["setup"].update(machine=platform.machine(), mlx=mx.__version__)
+        if out is not None:
+            write_record(out, record)
+    return record
+
+
+def reading_layers(record: dict, reference: str = "fp32", least: float = 0.1) -> list[int]:
+    """The layers where ``reference``'s answer gives the code's tokens at least ``least`` of its
+    attention, summed over query heads and averaged over the trials: where the needle is read."""
+    import numpy as np
+    mass = np.mean([t["mass"] for t in record["results"][reference]["trials"]], axis=0).sum(-1)
+    return [int(n) for n in np.flatnonzero(mass >= least)]

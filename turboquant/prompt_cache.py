@@ -19,7 +19,7 @@ from .memory import cache_count, check_layers, geometry_from_model, model_finger
 __all__ = ["make_prompt_cache", "to_turboquant", "save_prompt_cache", "load_prompt_cache", "model_geometry",
            "check_layers", "cache_count", "content_digest", "model_fingerprint",
            "FORMAT", "FORMAT_VERSION", "pre_rope_refusal", "turned_mean_refusal", "window_refusal",
-           "codes_keys_before_rope", "no_profile_refusal"]
+           "codes_keys_before_rope"]
 
 def _ring_layout(c) -> tuple[int, int, int, int]:
     """(offset, keep, max_size, write position) of an mlx-lm ``RotatingKVCache`` through its
@@ -56,32 +56,12 @@ def _budget(bits: float, dim: int, key_codec, value_codec, sink_tokens: int, mod
         raise ValueError("give either bits= or key_codec/value_codec/sink_tokens, not both")
     _check_bits(bits)
     if model is not None and profile is not None and profile is not False:
+        from .calibration.profiles import resolve_profile
         from .calibration.store import profile_codecs
-        keys, values, sinks, entry = profile_codecs(model, _profile_of(model, profile), bits)
+        keys, values, sinks, entry = profile_codecs(model, resolve_profile(model, profile), bits)
         return keys, values, sinks, bool(entry["choice"].get("pre_rope", False))
     choice = pick(bits, dim)
     return (*codecs_for(choice), choice.sink_tokens, False)
-
-
-def no_profile_refusal(name: str = "profile") -> str:
-    """What a model without a calibrated profile is told when one was asked for; ``name`` is
-    what the caller calls the option (``--profile`` on a command line)."""
-    return (f"this model has no calibrated profile; run `turboquant calibrate` first, or leave {name} out "
-            "for the uncalibrated budgets")
-
-
-def _profile_of(model, profile) -> dict:
-    """The profile ``profile`` names: True, the model's own (``find_profile``); a path, read
-    and checked; a dict, itself."""
-    from .calibration.profiles import find_profile, load_profile
-    if isinstance(profile, (str, os.PathLike)):
-        return load_profile(profile)
-    if profile is True:
-        found = find_profile(model)
-        if found is None:
-            raise ValueError(f"profile=True: {no_profile_refusal()}")
-        return found
-    return profile
 
 
 def _per_layer(spec, i: int, n: int):
@@ -150,9 +130,10 @@ def codes_keys_before_rope(model, bits: float, profile=True) -> bool:
     go with it — a sliding window (``window_refusal``) — before a cache is built. Raises what
     ``make_prompt_cache`` raises for a model without a profile or a budget the profile lacks.
     Nothing is fitted: the profile's choice is read (``calibration.store.profile_choice``)."""
+    from .calibration.profiles import resolve_profile
     from .calibration.store import profile_choice
     _check_bits(bits)
-    return bool(profile_choice(model, _profile_of(model, profile), bits)["choice"].get("pre_rope", False))
+    return bool(profile_choice(model, resolve_profile(model, profile), bits)["choice"].get("pre_rope", False))
 
 
 def turned_mean_refusal(model, max_kv_size: Optional[int] = None) -> "str | None":

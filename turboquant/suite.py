@@ -252,14 +252,34 @@ class Profile(Config):
     profile_bits: float
     family: str = "profile (make_prompt_cache(bits=…, profile=True))"
     note: str = "the model's shipped profile: the configuration calibrate chose"
+    exact: str = ""                 # "keys" or "values": that half held exactly (float32), a diagnosis
     needs_profile = True
 
     def make_cache(self, model, stats=None):
+        if self.exact:
+            return self._half_cache(model)
         make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False, profile=True)   # fit once, untimed
         return lambda: make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False, profile=True)
 
+    def _half_cache(self, model):
+        """The profile's coders for one half, the other exact (``Identity``): which half of the
+        profile's error a measurement comes from (Chapter 10, "Where the early needle is lost")."""
+        from .calibration.profiles import resolve_profile
+        from .calibration.store import profile_codecs
+        from .codecs.identity import Identity
+        if self.exact not in ("keys", "values"):
+            raise ValueError(f"exact must be 'keys' or 'values', got {self.exact!r}")
+        keys, values, sinks, entry = profile_codecs(model, resolve_profile(model, True), self.profile_bits)
+        exact = [Identity(_dims(model)) for _ in keys]
+        if self.exact == "keys":
+            keys, before_rope = exact, False
+        else:
+            values, before_rope = exact, bool(entry["choice"].get("pre_rope", False))
+        return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values, sink_tokens=sinks,
+                                         warn_rotating=False, pre_rope=before_rope)
+
     def bits(self, dim):
-        return self.profile_bits
+        return (self.profile_bits + 32) / 2 if self.exact else self.profile_bits
 
 
 def _mse(family, key_bits, value_bits=None, center_keys=False, center_values=False, **kw) -> Config:
@@ -366,6 +386,10 @@ CONFIGS: dict[str, Config] = {
         fp_window=16, note="calibrated b − 0.5 plus the 16 newest tokens exact (float16): 0.5 bits "
                            "at a 512-token window") for b in (4.25, 3.25, 2.25)},
     **{f"profile {b}": Profile(b) for b in (4.25, 3.25, 2.25)},
+    **{f"profile 4.25, exact {half}": Profile(
+        4.25, family="profile, one half exact (diagnosis)", exact=half,
+        note=f"the shipped profile's coders at 4.25 bits, the {half} held exactly (float32)")
+       for half in ("keys", "values")},
 }
 
 CHAPTER_CONFIGS = ("fp32", "mlx-lm affine 4", "uniform 4", "uniform 3", "TQ-mse 4", "TQ-mse 3",

@@ -35,7 +35,8 @@ from .allocation import PROBE_BITS, allocate_layers
 from .fitting import WINDOW, Choice, capture_statistics, fit_layers, output_metric, signature
 from .phases import context_length
 from .profiles import (PROFILE_FORMAT, PROFILE_VERSION, SHIPPED, find_profile, fitted_positions, ids_digest, load_profile,
-                       profile_entry, profile_path, save_profile, shipped_profiles)
+                       no_profile_refusal, profile_entry, profile_path, resolve_profile, save_profile,
+                       shipped_profiles)
 from .search import calibrate, candidates, choose
 from .sensitivity import layer_sensitivity
 from .store import CODER_STORE_VERSION, clear_memo, coder_store_path, profile_codecs
@@ -43,4 +44,4 @@ from .store import CODER_STORE_VERSION, clear_memo, coder_store_path, profile_co
 __all__ = ["context_length", "fitted_positions", "layer_sensitivity", "allocate_layers", "PROBE_BITS", "Choice", "capture_statistics", "fit_layers", "output_metric", "signature", "WINDOW", "profile_path", "shipped_profiles",
            "find_profile", "load_profile", "save_profile", "profile_entry", "ids_digest", "PROFILE_FORMAT",
            "PROFILE_VERSION", "SHIPPED", "profile_codecs", "coder_store_path", "clear_memo", "CODER_STORE_VERSION",
-           "candidates", "choose", "calibrate"]
+           "candidates", "choose", "calibrate", "resolve_profile", "no_profile_refusal"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -13,6 +14,7 @@ from .fitting import WINDOW, Choice, positions_seen, signature
 from .phases import valid_positions
 
 __all__ = ["fitted_positions", "profile_path", "shipped_profiles", "find_profile", "load_profile", "save_profile", "profile_entry",
+           "resolve_profile", "no_profile_refusal",
            "ids_digest", "PROFILE_FORMAT", "PROFILE_VERSION", "SHIPPED"]
 
 PROFILE_FORMAT = "turboquant-profile"
@@ -111,6 +113,27 @@ def find_profile(model) -> Optional[dict]:
         if p.get("signature") == sig:
             return p
     return None
+
+
+def no_profile_refusal(name: str = "profile") -> str:
+    """What a model without a calibrated profile is told when one was asked for; ``name`` is
+    what the caller calls the option (``--profile`` on a command line)."""
+    return (f"this model has no calibrated profile; run `turboquant calibrate` first, or leave {name} out "
+            "for the uncalibrated budgets")
+
+
+def resolve_profile(model, profile) -> dict:
+    """The profile ``profile`` names, as ``make_prompt_cache(profile=…)`` takes it: True, the
+    model's own (``find_profile``; ``ValueError`` when it has none); a path, read and checked
+    (``load_profile``); a dict, itself."""
+    if isinstance(profile, (str, os.PathLike)):
+        return load_profile(profile)
+    if profile is True:
+        found = find_profile(model)
+        if found is None:
+            raise ValueError(f"profile=True: {no_profile_refusal()}")
+        return found
+    return profile
 
 
 def profile_entry(profile: dict, bits: float, dim: int) -> dict:

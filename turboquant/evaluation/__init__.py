@@ -11,7 +11,8 @@ cache and cannot see KV compression).
 """
 from .agreement import greedy_agreement, top1_agreement
 from .fidelity import capture_qkv, key_statistics, layer_fidelity, position_error, recording
-from .needle import NEEDLE, NEEDLE_VALUES, QUESTION, answer_logprobs, needle_accuracy, needle_prompt, needle_values
+from .needle import (NEEDLE, NEEDLE_VALUES, QUESTION, answer_logprobs, needle_accuracy, needle_attention,
+                     needle_prompt, needle_values)
 from .outliers import channel_profile
 from .scoring import perplexity
 from .prefilling import MakeCache, fresh_cache, greedy, fill_cache, next_logits, prefill, prefill_logits
@@ -19,6 +20,6 @@ from .text import bos_id, encode_text
 
 __all__ = ["encode_text", "bos_id", "perplexity", "capture_qkv", "layer_fidelity", "key_statistics",
            "position_error", "recording",
-           "needle_prompt", "needle_accuracy", "answer_logprobs", "needle_values", "NEEDLE", "QUESTION", "NEEDLE_VALUES",
+           "needle_prompt", "needle_accuracy", "needle_attention", "answer_logprobs", "needle_values", "NEEDLE", "QUESTION", "NEEDLE_VALUES",
            "top1_agreement", "greedy_agreement", "channel_profile", "MakeCache", "fresh_cache", "prefill", "prefill_logits", "fill_cache", "next_logits",
            "greedy"]

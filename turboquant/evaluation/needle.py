@@ -11,7 +11,7 @@ from ..progress import progress as progress_bar
 from .prefilling import MakeCache, fill_cache, fresh_cache, greedy, next_logits
 from .text import encode_text
 
-__all__ = ["needle_prompt", "needle_accuracy", "answer_logprobs", "needle_values", "NEEDLE", "QUESTION",
+__all__ = ["needle_prompt", "needle_accuracy", "needle_attention", "answer_logprobs", "needle_values", "NEEDLE", "QUESTION",
            "NEEDLE_VALUES"]
 
 
@@ -124,3 +124,102 @@ def needle_accuracy(model, tokenizer, haystack_ids: Sequence[int], contexts: Seq
             cells.append({"context": c, "depth": d, "ok": ok, "n": len(values), "lo": iv.lo, "hi": iv.hi})
     acc = {c: sum(t["ok"] for t in trials if t["context"] == c) / (len(depths) * len(values)) for c in contexts}
     return {"accuracy": acc, "cells": cells, "trials": trials}
+
+
+def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int, depth: float, value: str,
+                     make_cache: MakeCache = None, chunk: int = 256) -> dict:
+    """Where the answer reads the needle, layer by layer. The prompt of ``needle_prompt``
+    (``context`` tokens, the needle at ``depth``, code ``value``) is prefilled through a fresh
+    cache (``make_cache()``; None: mlx-lm's full precision), then the right answer " value" is
+    fed but its last token, as ``answer_logprobs`` feeds it; the rows of that pass are the
+    queries that predict the code's tokens. Per layer ℓ and query head h:
+
+    - ``mass[ℓ][h]``: the attention weight those rows give the code's tokens in the needle,
+      summed over the code's tokens, averaged over the rows;
+    - ``noise[ℓ]``: the standard deviation over the other tokens of the score error the
+      cache's coding adds, scale·q·(k̂ − k) (k: the keys this run computed, k̂: what its cache
+      returns for them; q: the answer's queries), averaged over heads and rows; 0 for exact
+      caches;
+    - ``noise_code[ℓ]``: the mean |score error| on the code's tokens.
+
+    Also "code_logp", as ``answer_logprobs`` gives it, and "code_tokens" (their positions).
+    The errors are measured inside the cache's own run: what earlier layers' coding changed
+    in k and q is not in ``noise`` but shows in ``mass``. Models whose layers have sliding
+    windows are refused (their caches return a window, not the positions read here)."""
+    from mlx_lm.models.cache import RotatingKVCache
+    from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
+
+    from ..attention import patch_attention
+    from ..cache import TurboQuantRotatingKVCache
+    if any(isinstance(c, (RotatingKVCache, TurboQuantRotatingKVCache)) for c in mlx_prompt_cache(model)):
+        raise ValueError("needle_attention reads global attention layers only; this model has sliding-window "
+                         "layers")
+    ids = needle_prompt(tokenizer, haystack_ids, context, depth, value)
+    needle = encode_text(tokenizer, " " + NEEDLE.format(value=value) + " ")
+    n_hay = context - len(needle) - len(encode_text(tokenizer, QUESTION))
+    at = int(round(depth * n_hay))
+    answer = encode_text(tokenizer, " " + value)
+    if len(answer) < 2:
+        raise ValueError(f"the answer {' ' + value!r} is one token: no row of the answer reads the code")
+    code = answer[1:]
+    starts = [at + i for i in range(len(needle) - len(code) + 1) if needle[i:i + len(code)] == code]
+    if len(starts) != 1:
+        raise ValueError(f"the code's tokens {code} occur {len(starts)} times in the needle's {needle}: "
+                         "their positions are not one span")
+    code_pos = list(range(starts[0], starts[0] + len(code)))
+    span = set(range(at, at + len(needle)))
+    cache = fresh_cache(model, make_cache)
+    layer_of = {id(c): n for n, c in enumerate(cache)}
+    exact: dict = {}
+    record: dict = {}
+
+    def recording(original):
+        def sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, **kw):
+            read(queries, keys, cache, scale)
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
+        return sdpa
+
+    def read(queries, keys, cache, scale):
+        n = layer_of.get(id(cache))
+        if answering[0] and n is not None and keys.shape[2] == exact[n].shape[2]:
+            q = queries[0].astype(mx.float32)                       # (Hq, L, D)
+            rep = q.shape[0] // keys.shape[1]
+            k = mx.repeat(keys[0].astype(mx.float32), rep, axis=0)  # (Hq, T, D)
+            e = mx.repeat(exact[n][0].astype(mx.float32), rep, axis=0)
+            T, L = k.shape[1], q.shape[1]
+            s = (q @ k.transpose(0, 2, 1)) * scale
+            causal = mx.arange(T)[None, :] <= (T - L + mx.arange(L))[:, None]
+            w = mx.softmax(mx.where(causal, s, -mx.inf), axis=-1)
+            err = (q @ (k - e).transpose(0, 2, 1)) * scale          # (Hq, L, T)
+            others = mx.array([i for i in range(T - L) if i not in span])
+            record[n] = (w[:, :, code_pos[0]:code_pos[-1] + 1].sum(-1).mean(-1),
+                         mx.take(err, others, axis=2).std(axis=-1).mean(),
+                         mx.abs(err[:, :, code_pos[0]:code_pos[-1] + 1]).mean())
+
+    def keeping(c, n):
+        inner = c.update_and_fetch
+
+        def update_and_fetch(keys, values):
+            exact[n] = keys if n not in exact else mx.concatenate([exact[n], keys], axis=2)
+            return inner(keys, values)
+        c.update_and_fetch = update_and_fetch
+
+    answering = [False]
+    for n, c in enumerate(cache):
+        keeping(c, n)
+    try:
+        with patch_attention(model, recording):
+            next_logits(model, mx.array(ids)[None], cache, chunk)
+            answering[0] = True                          # the answer's rows, not the prompt's
+            rest = model(mx.array(list(answer[:-1]))[None], cache=cache).astype(mx.float32)
+    finally:
+        for c in cache:
+            c.__dict__.pop("update_and_fetch", None)
+    rest = rest - mx.logsumexp(rest, axis=-1, keepdims=True)
+    if sorted(record) != list(range(len(cache))):
+        raise ValueError(f"needle_attention saw {len(record)} of {len(cache)} layers' attention")
+    return {"mass": [record[n][0].tolist() for n in range(len(cache))],
+            "noise": [record[n][1].item() for n in range(len(cache))],
+            "noise_code": [record[n][2].item() for n in range(len(cache))],
+            "code_logp": sum(rest[0, j - 1, answer[j]].item() for j in range(1, len(answer))),
+            "code_tokens": code_pos}

@@ -19,6 +19,7 @@ FAMILY_ORDER = (
     "calibrated transform coding (levers)", "centered", "mlx-lm affine", "outlier split", "per-vector uniform",
     "profile (make_prompt_cache(bits=…, profile=True))", "recent window", "rotated affine", "split channels",
     "budget, keys before RoPE (lever)", "budget, key mean before RoPE (lever)", "KVQuant-style, keys before RoPE",
+    "profile, one half exact (diagnosis)",
 )
 
 
@@ -183,6 +184,29 @@ def plot_needle_grid(record: dict, names=None):
     fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(3, len(legend)), fontsize=7,
                frameon=False)
     fig.tight_layout(rect=(0, 0.08 + 0.035 * -(-len(legend) // 3), 1, 1))
+    return fig
+
+
+def plot_needle_reading(record: dict, names=None):
+    """Where the answer reads the needle (``needles.needle_reading``): per layer, the attention
+    the answer's queries give the code's tokens, summed over query heads and averaged over the
+    recorded codes, one line per configuration (``names``, in that order; default every row)."""
+    results = record["results"]
+    names = list(results) if names is None else list(names)
+    missing = [n for n in names if n not in results]
+    if missing or not names:
+        raise ValueError(f"names must be rows of the record ({sorted(results)}), got {missing or names}")
+    fig, ax = figure(width=7.0, height=3.4)
+    for i, name in enumerate(names):
+        mass = np.mean([t["mass"] for t in results[name]["trials"]], axis=0).sum(-1)
+        ax.plot(np.arange(len(mass)), mass, "o-" if name == "fp32" else ".-", ms=4, lw=1.6 if name == "fp32" else 1,
+                color="black" if name == "fp32" else FAMILY_COLORS[i % len(FAMILY_COLORS)], label=name)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention on the code's tokens\n(summed over heads)")
+    s = record["setup"]
+    ax.set_title(f"{s['context']:,} tokens, needle at {s['depth']:.0%} depth, {s['values']} codes", fontsize=9)
+    ax.legend(fontsize=7, frameon=False, loc="upper left")
+    fig.tight_layout()
     return fig
 
 
