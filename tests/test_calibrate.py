@@ -173,6 +173,7 @@ def test_profile_true_without_a_profile_says_how_to_make_one(model, tmp_path, mo
     from turboquant.cli import main
     from turboquant.calibration import no_profile_refusal
     monkeypatch.setattr(turboquant.models, "load", lambda name: (model, ByteTokenizer()))
+    monkeypatch.setattr(turboquant.models, "wheel_refusal", lambda name: None)   # whatever is installed
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt", "x", "--bits", "4.25", "--profile"])
     err = capsys.readouterr().err

@@ -384,18 +384,23 @@ def test_needle_attention_reads_what_attention_reads(smol):
     assert [ids[i] for i in code] == answer[1:]                 # the code's own tokens in the needle
     qkv = capture_qkv(model, ids + answer[:-1])
     L = len(answer) - 1
-    for n in (0, 17):
-        q, k, s = qkv[n]["q"][0], qkv[n]["k"][0], qkv[n]["scale"]
-        k = mx.repeat(k, q.shape[0] // k.shape[0], axis=0)
-        T = k.shape[1]
-        w = mx.softmax(mx.where(mx.arange(T)[None] <= (T - L + mx.arange(L))[:, None],
-                                (q[:, -L:] @ k.transpose(0, 2, 1)) * s, -mx.inf), axis=-1)
-        mass = np.array(w[:, :, code[0]:code[-1] + 1].sum(-1).mean(-1))
+    for n in (0, 17):                # mlx's own attention, reading values that mark the code's tokens
+        q, k, s = qkv[n]["q"], qkv[n]["k"], qkv[n]["scale"]
+        T = k.shape[2]
+        marks = mx.zeros((T,)).at[mx.array(code)].add(1.0)
+        v = mx.broadcast_to(marks[None, None, :, None], (1, k.shape[1], T, 1))
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask="causal")   # (1, Hq, T, 1)
+        mass = np.array(out[0, :, -L:, 0].mean(-1))
         assert np.allclose(fp["mass"][n], mass, atol=1e-4)
     assert fp["noise"] == [0.0] * len(fp["noise"]) and fp["noise_code"] == [0.0] * len(fp["noise"])
     exact = needle_attention(model, tok, hay, 320, 0.5, "4721",
                              lambda: make_prompt_cache(model, key_codec=Identity, value_codec=Identity), chunk=64)
     assert exact["noise"] == [0.0] * len(fp["noise"]) and np.allclose(exact["mass"], fp["mass"], atol=1e-4)
+    # through a wrapper (keys stored before RoPE and turned back): the exact keys it is given are
+    # what it returns, so an exact coder adds no noise there either
+    wrapped = needle_attention(model, tok, hay, 320, 0.5, "4721", lambda: make_prompt_cache(
+        model, key_codec=Identity, value_codec=Identity, pre_rope=True), chunk=64)
+    assert max(wrapped["noise"]) < 1e-4 and np.allclose(wrapped["mass"], fp["mass"], atol=1e-3)
     mk = lambda: make_prompt_cache(model, bits=4.25)
     coded = needle_attention(model, tok, hay, 320, 0.5, "4721", mk, chunk=64)
     assert all(x > 0 for x in coded["noise"])              # coding adds score noise in every layer
@@ -410,8 +415,18 @@ def test_needle_attention_refuses_what_it_cannot_read(smol):
     with pytest.raises(ValueError, match="sliding-window layers"):
         needle_attention(gemma, ByteTokenizer(), list(range(1, 400)), 256, 0.5, "4721")
     model, tok = smol
+    hay = encode_text(tok, load_text("lee"), 400)
     with pytest.raises(ValueError, match="depth must lie in"):
-        needle_attention(model, tok, encode_text(tok, load_text("lee"), 400), 320, 1.5, "4721")
+        needle_attention(model, tok, hay, 320, 1.5, "4721")
+    with pytest.raises(ValueError, match="chunk must be"):
+        needle_attention(model, tok, hay, 320, 0.5, "4721", chunk=0)
+    with pytest.raises(ValueError, match="sliding-window layers"):         # a window on every layer
+        needle_attention(model, tok, hay, 320, 0.5, "4721", lambda: make_prompt_cache(model, bits=4.25,
+                                                                                    max_kv_size=128,
+                                                                                    warn_rotating=False))
+    from mlx_lm.models.cache import QuantizedKVCache
+    with pytest.raises(ValueError, match="packed tuples"):
+        needle_attention(model, tok, hay, 320, 0.5, "4721", lambda: [QuantizedKVCache() for _ in model.layers])
 
 
 def test_the_profile_halves_hold_one_side_exactly(smol):

@@ -360,10 +360,10 @@ def _needle(args) -> int:
 def _needle_reading(args, model, tok, names) -> int:
     import numpy as np
 
-    from .needles import needle_reading, reading_layers
+    from .needles import needle_reading, reading_layers, reading_mass
     try:
         record = needle_reading(model, tok, names, args.contexts[0], args.depths[0], args.values,
-                                model_name=f"{args.model} (float32)", out=args.out,
+                                model_name=f"{args.model} (float32)", out=args.out, chunk=args.chunk,
                                 calibration_corpus=args.calibration_corpus, progress=not args.quiet,
                                 positions="context" if args.positions is None else args.positions or None)
     except ValueError as e:
@@ -376,7 +376,7 @@ def _needle_reading(args, model, tok, names) -> int:
           "log p(code | start)")
     W = _width(list(record["results"]), 28)
     for name, r in record["results"].items():
-        mass = np.mean([t["mass"] for t in r["trials"]], axis=0).sum(-1)
+        mass = reading_mass(record, name)
         noise = np.mean([t["noise"] for t in r["trials"]], axis=0)
         print(f"{name:{W}s} " + " ".join(f"L{n}:{mass[n]:.2f}" for n in layers)
               + (f"  noise {noise[layers].mean():.3f}" if layers else "")

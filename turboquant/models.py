@@ -179,8 +179,10 @@ def _wheel_file(package: str, rel: str) -> "Path | None":
 
 
 def wheel_refusal(name: str) -> "str | None":
-    """Why installed model ``name``'s wheels cannot give its GGUF (a wheel or a piece not
-    installed, the GGUF missing from its wheel; pieces are not needed once joined), or None:
+    """Why installed model ``name``'s wheels cannot give its GGUF (its wheel not installed, the
+    GGUF missing from it, one of the pieces this package joins not installed — pieces are not
+    needed once joined; a wheel that assembles its GGUF from part wheels checks those itself
+    when it assembles), or None:
     the check ``model_gguf`` makes before any work, which a command line makes before it loads anything. Nothing is read
     or imported."""
     m = _spec(name)

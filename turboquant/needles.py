@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-__all__ = ["needle_grid", "needle_table", "needle_scores", "reads_code", "needle_reading", "reading_layers"]
+__all__ = ["needle_grid", "needle_table", "needle_scores", "reads_code", "needle_reading", "reading_layers", "reading_mass"]
 
 HAYSTACK = "lee"      # the distractor text: prose no profile is calibrated on
 
@@ -180,15 +180,16 @@ def needle_scores(record: dict) -> list[dict]:
 
 
 def needle_reading(model, tokenizer, names: Sequence[str], context: int, depth: float, values: int = 3, *,
-                   model_name: str = "", out: Optional[Path] = None, calibration_corpus: str = "wikipedia",
-                   positions="context", progress: bool = True) -> dict:
+                   model_name: str = "", out: Optional[Path] = None, chunk: int = 256,
+                   calibration_corpus: str = "wikipedia", positions="context", progress: bool = True) -> dict:
     """Where the answer reads the needle (``evaluation.needle.needle_attention``) through each
     named configuration, for the first ``values`` codes of the grid (``needle_values``) at one
     ``context`` and ``depth``: {"setup": …, "results": {name: {"family", "bits", "trials":
     [{"value", "mass" (layers × query heads), "noise", "noise_code" (per layer), "code_logp",
     "code_tokens"}]}}}. Calibrated rows are fitted as ``needle_grid`` fits them. ``out``: the
     JSON file written after every configuration; a configuration it holds (same setup) is kept,
-    not re-run."""
+    not re-run, unless what it was measured with changed (the profile, the positions its coders
+    were fitted for), as in ``needle_grid``."""
     from .checks import check_int
     from .data import load_text
     from .evaluation import encode_text, needle_values
@@ -197,13 +198,16 @@ def needle_reading(model, tokenizer, names: Sequence[str], context: int, depth: 
     from .suite import CONFIGS, calibration_statistics
     values = check_int("values", values, 1)
     context = check_int("context", context, 64)
-    if not (isinstance(depth, (int, float)) and 0.0 <= depth <= 1.0):
+    chunk = check_int("chunk", chunk, 1)
+    if isinstance(depth, bool) or not (isinstance(depth, (int, float)) and 0.0 <= depth <= 1.0):
         raise ValueError(f"depth must lie in [0, 1], got {depth!r}")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
         raise ValueError(f"unknown configuration(s) {unknown or names}; known: {sorted(CONFIGS)}")
+    if calibration_corpus == HAYSTACK:
+        raise ValueError(f"calibrated configurations must not be fitted on the haystack text {HAYSTACK!r}")
     positions = _calibration_positions(model, positions)
-    setup = {**_setup(model_name, [context], [depth], values, 256, calibration_corpus), "context": context,
+    setup = {**_setup(model_name, [context], [depth], values, chunk, calibration_corpus), "context": context,
              "depth": depth, "kind": "needle reading"}
     for k in ("contexts", "depths"):
         setup.pop(k)
@@ -218,9 +222,15 @@ def needle_reading(model, tokenizer, names: Sequence[str], context: int, depth: 
     stats = None
     digest = _profile_digest(model) if any(getattr(CONFIGS[n], "needs_profile", False) for n in names) else None
     for name in names:
+        identity = {"profile_sha256": digest if CONFIGS[name].needs_profile else None,
+                    "calibration_positions": positions if CONFIGS[name].needs_calibration else None}
         held = record["results"].get(name)
-        if held is not None and held.get("profile_sha256") == (digest if CONFIGS[name].needs_profile else None):
-            continue                                      # measured (with the same profile): kept
+        if held is not None and all(held.get(k) == v for k, v in identity.items()):
+            continue                                      # measured with the same profile and fit: kept
+        if held is not None and progress:
+            stale = next(k for k, v in identity.items() if held.get(k) != v)
+            print(f"needle reading: {name}: {_IDENTITY[stale]} changed since it was measured; reading it again",
+                  flush=True)
         if CONFIGS[name].needs_calibration and stats is None:
             stats = calibration_statistics(model, tokenizer, names, calibration_corpus, 8, progress,
                                            positions=positions)
@@ -229,20 +239,26 @@ def needle_reading(model, tokenizer, names: Sequence[str], context: int, depth: 
         for v in codes:
             if progress:
                 print(f"needle reading: {name}, code {v}", flush=True)
-            trials.append({"value": v, **needle_attention(model, tokenizer, hay, context, depth, v, make)})
+            trials.append({"value": v, **needle_attention(model, tokenizer, hay, context, depth, v, make, chunk)})
         record["results"][name] = {"family": CONFIGS[name].family, "bits": CONFIGS[name].bits(dim),
-                                   "trials": trials}
-        if CONFIGS[name].needs_profile:
-            record["results"][name]["profile_sha256"] = digest
+                                   "trials": trials, **{k: v for k, v in identity.items() if v is not None}}
         record["setup"].update(machine=platform.machine(), mlx=mx.__version__)
         if out is not None:
             write_record(out, record)
     return record
 
 
+def reading_mass(record: dict, name: str):
+    """Per layer, the attention ``name``'s answer gives the code's tokens in a needle reading:
+    summed over query heads, averaged over the recorded codes (a numpy array, one per layer)."""
+    import numpy as np
+    if name not in record["results"]:
+        raise ValueError(f"{name!r} is not a row of this reading ({sorted(record['results'])})")
+    return np.mean([t["mass"] for t in record["results"][name]["trials"]], axis=0).sum(-1)
+
+
 def reading_layers(record: dict, reference: str = "fp32", least: float = 0.1) -> list[int]:
     """The layers where ``reference``'s answer gives the code's tokens at least ``least`` of its
-    attention, summed over query heads and averaged over the trials: where the needle is read."""
+    attention (``reading_mass``): where the needle is read."""
     import numpy as np
-    mass = np.mean([t["mass"] for t in record["results"][reference]["trials"]], axis=0).sum(-1)
-    return [int(n) for n in np.flatnonzero(mass >= least)]
+    return [int(n) for n in np.flatnonzero(reading_mass(record, reference) >= least)]

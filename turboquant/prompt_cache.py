@@ -133,6 +133,8 @@ def codes_keys_before_rope(model, bits: float, profile=True) -> bool:
     from .calibration.profiles import resolve_profile
     from .calibration.store import profile_choice
     _check_bits(bits)
+    if profile is None or profile is False:             # no profile: the uncalibrated budgets, after RoPE
+        return False
     return bool(profile_choice(model, resolve_profile(model, profile), bits)["choice"].get("pre_rope", False))
 
 

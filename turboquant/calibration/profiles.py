@@ -133,6 +133,8 @@ def resolve_profile(model, profile) -> dict:
         if found is None:
             raise ValueError(f"profile=True: {no_profile_refusal()}")
         return found
+    if not isinstance(profile, dict):
+        raise TypeError(f"profile must be True, a path or a profile dict, got {profile!r}")
     return profile
 
 

@@ -22,6 +22,11 @@ QUESTION = "\n\nWhat is the secret code of the blue door? The secret code of the
 def needle_prompt(tokenizer, haystack_ids: Sequence[int], context: int, depth: float, value: str) -> list[int]:
     """Token ids: ``context`` tokens of distractor text with the needle sentence inserted at
     relative ``depth`` ∈ [0, 1] (on a sentence-free token boundary), then the question."""
+    return _needle_layout(tokenizer, haystack_ids, context, depth, value)[0]
+
+
+def _needle_layout(tokenizer, haystack_ids, context, depth, value) -> tuple[list[int], int, list[int]]:
+    """(``needle_prompt``'s ids, the needle's first position, the needle's ids)."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must lie in [0, 1], got {depth!r}")
     needle = encode_text(tokenizer, " " + NEEDLE.format(value=value) + " ")
@@ -31,7 +36,7 @@ def needle_prompt(tokenizer, haystack_ids: Sequence[int], context: int, depth: f
         raise ValueError(f"context {context} is too short or the haystack too small")
     at = int(round(depth * n_hay))
     hay = list(haystack_ids[:n_hay])
-    return hay[:at] + needle + hay[at:] + question
+    return hay[:at] + needle + hay[at:] + question, at, needle
 
 
 NEEDLE_VALUES = ("4721", "8356", "1943", "6208")
@@ -140,24 +145,19 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
       cache's coding adds, scale·q·(k̂ − k) (k: the keys this run computed, k̂: what its cache
       returns for them; q: the answer's queries), averaged over heads and rows; 0 for exact
       caches;
-    - ``noise_code[ℓ]``: the mean |score error| on the code's tokens.
+    - ``noise_code[ℓ]``: the mean absolute score error on the code's tokens.
 
     Also "code_logp", as ``answer_logprobs`` gives it, and "code_tokens" (their positions).
     The errors are measured inside the cache's own run: what earlier layers' coding changed
     in k and q is not in ``noise`` but shows in ``mass``. Models whose layers have sliding
     windows are refused (their caches return a window, not the positions read here)."""
-    from mlx_lm.models.cache import RotatingKVCache
-    from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
+    from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
-    from ..attention import patch_attention
+    from ..attention import causal_mask, patch_attention, repeat_kv
     from ..cache import TurboQuantRotatingKVCache
-    if any(isinstance(c, (RotatingKVCache, TurboQuantRotatingKVCache)) for c in mlx_prompt_cache(model)):
-        raise ValueError("needle_attention reads global attention layers only; this model has sliding-window "
-                         "layers")
-    ids = needle_prompt(tokenizer, haystack_ids, context, depth, value)
-    needle = encode_text(tokenizer, " " + NEEDLE.format(value=value) + " ")
-    n_hay = context - len(needle) - len(encode_text(tokenizer, QUESTION))
-    at = int(round(depth * n_hay))
+    from ..checks import check_int
+    chunk = check_int("chunk", chunk, 1)
+    ids, at, needle = _needle_layout(tokenizer, haystack_ids, context, depth, value)
     answer = encode_text(tokenizer, " " + value)
     if len(answer) < 2:
         raise ValueError(f"the answer {' ' + value!r} is one token: no row of the answer reads the code")
@@ -169,6 +169,14 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
     code_pos = list(range(starts[0], starts[0] + len(code)))
     span = set(range(at, at + len(needle)))
     cache = fresh_cache(model, make_cache)
+    for c in cache:                                  # what the reading below can hold
+        kind = type(getattr(c, "inner", c))
+        if issubclass(kind, (RotatingKVCache, TurboQuantRotatingKVCache)):
+            raise ValueError(f"needle_attention reads caches that hold every position; this one has "
+                             f"sliding-window layers ({kind.__name__})")
+        if issubclass(kind, QuantizedKVCache):
+            raise ValueError("needle_attention reads the keys attention is given; mlx-lm's QuantizedKVCache "
+                             "gives packed tuples instead")
     layer_of = {id(c): n for n, c in enumerate(cache)}
     exact: dict = {}
     record: dict = {}
@@ -183,13 +191,11 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
         n = layer_of.get(id(cache))
         if answering[0] and n is not None and keys.shape[2] == exact[n].shape[2]:
             q = queries[0].astype(mx.float32)                       # (Hq, L, D)
-            rep = q.shape[0] // keys.shape[1]
-            k = mx.repeat(keys[0].astype(mx.float32), rep, axis=0)  # (Hq, T, D)
-            e = mx.repeat(exact[n][0].astype(mx.float32), rep, axis=0)
+            k = repeat_kv(keys.astype(mx.float32), q.shape[0])[0]   # (Hq, T, D)
+            e = repeat_kv(exact[n].astype(mx.float32), q.shape[0])[0]
             T, L = k.shape[1], q.shape[1]
             s = (q @ k.transpose(0, 2, 1)) * scale
-            causal = mx.arange(T)[None, :] <= (T - L + mx.arange(L))[:, None]
-            w = mx.softmax(mx.where(causal, s, -mx.inf), axis=-1)
+            w = mx.softmax(mx.where(causal_mask(L, T), s, -mx.inf), axis=-1)
             err = (q @ (k - e).transpose(0, 2, 1)) * scale          # (Hq, L, T)
             others = mx.array([i for i in range(T - L) if i not in span])
             record[n] = (w[:, :, code_pos[0]:code_pos[-1] + 1].sum(-1).mean(-1),
@@ -205,6 +211,7 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
         c.update_and_fetch = update_and_fetch
 
     answering = [False]
+    before = [c.__dict__.get("update_and_fetch") for c in cache]   # an instance's own method, if it had one
     for n, c in enumerate(cache):
         keeping(c, n)
     try:
@@ -213,8 +220,11 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
             answering[0] = True                          # the answer's rows, not the prompt's
             rest = model(mx.array(list(answer[:-1]))[None], cache=cache).astype(mx.float32)
     finally:
-        for c in cache:
-            c.__dict__.pop("update_and_fetch", None)
+        for c, own in zip(cache, before):
+            if own is None:
+                c.__dict__.pop("update_and_fetch", None)
+            else:
+                c.update_and_fetch = own
     rest = rest - mx.logsumexp(rest, axis=-1, keepdims=True)
     if sorted(record) != list(range(len(cache))):
         raise ValueError(f"needle_attention saw {len(record)} of {len(cache)} layers' attention")

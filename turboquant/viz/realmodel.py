@@ -196,9 +196,10 @@ def plot_needle_reading(record: dict, names=None):
     missing = [n for n in names if n not in results]
     if missing or not names:
         raise ValueError(f"names must be rows of the record ({sorted(results)}), got {missing or names}")
+    from ..needles import reading_mass
     fig, ax = figure(width=7.0, height=3.4)
     for i, name in enumerate(names):
-        mass = np.mean([t["mass"] for t in results[name]["trials"]], axis=0).sum(-1)
+        mass = reading_mass(record, name)
         ax.plot(np.arange(len(mass)), mass, "o-" if name == "fp32" else ".-", ms=4, lw=1.6 if name == "fp32" else 1,
                 color="black" if name == "fp32" else FAMILY_COLORS[i % len(FAMILY_COLORS)], label=name)
     ax.set_xlabel("layer")
