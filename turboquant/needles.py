@@ -45,6 +45,16 @@ def _calibration_positions(model, positions) -> Optional[int]:
     return positions
 
 
+def _check_request(names: Sequence[str], calibration_corpus: str) -> None:
+    """The configurations named exist, and calibrated ones are not fitted on the haystack."""
+    from .suite import CONFIGS
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        raise ValueError(f"unknown configuration(s) {unknown or names}; known: {sorted(CONFIGS)}")
+    if calibration_corpus == HAYSTACK:
+        raise ValueError(f"calibrated configurations must not be fitted on the haystack text {HAYSTACK!r}")
+
+
 def _setup(model_name, contexts, depths, values, chunk, calibration_corpus) -> dict:
     return {"model": model_name, "haystack": HAYSTACK, "contexts": list(contexts), "depths": list(depths),
             "values": values, "chunk": chunk, "calibration": {"corpus": calibration_corpus, "windows": 8}}
@@ -85,11 +95,7 @@ def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
         raise ValueError("needle_grid needs at least one context length")
     if not depths or any(not (isinstance(d, (int, float)) and 0.0 <= d <= 1.0) for d in depths):
         raise ValueError(f"depths must lie in [0, 1], got {list(depths)}")
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown or not names:
-        raise ValueError(f"unknown configuration(s) {unknown or names}; known: {sorted(CONFIGS)}")
-    if calibration_corpus == HAYSTACK:
-        raise ValueError(f"calibrated configurations must not be fitted on the haystack text {HAYSTACK!r}")
+    _check_request(names, calibration_corpus)
     digest = _profile_digest(model) if any(getattr(CONFIGS[n], "needs_profile", False) for n in names) else None
     positions = _calibration_positions(model, positions)
     setup = _setup(model_name, contexts, list(depths), values, chunk, calibration_corpus)
@@ -201,11 +207,7 @@ def needle_reading(model, tokenizer, names: Sequence[str], context: int, depth: 
     chunk = check_int("chunk", chunk, 1)
     if isinstance(depth, bool) or not (isinstance(depth, (int, float)) and 0.0 <= depth <= 1.0):
         raise ValueError(f"depth must lie in [0, 1], got {depth!r}")
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown or not names:
-        raise ValueError(f"unknown configuration(s) {unknown or names}; known: {sorted(CONFIGS)}")
-    if calibration_corpus == HAYSTACK:
-        raise ValueError(f"calibrated configurations must not be fitted on the haystack text {HAYSTACK!r}")
+    _check_request(names, calibration_corpus)
     positions = _calibration_positions(model, positions)
     setup = {**_setup(model_name, [context], [depth], values, chunk, calibration_corpus), "context": context,
              "depth": depth, "kind": "needle reading"}
