@@ -75,6 +75,16 @@ def test_eval_on_several_domains_summarises_each_configurations_worst(tmp_path, 
         assert r["diff"]["value"] == pytest.approx(incs[c]["value"], abs=1e-9)
 
 
+def test_configs_all_leaves_the_diagnoses_out():
+    """'all' is every cache a user could choose; the diagnosis rows (one half of a cache in
+    float32, 18 bits) are run only when named."""
+    from turboquant.suite import ALL_CONFIGS, CONFIGS
+    diagnoses = {n for n, c in CONFIGS.items() if c.diagnosis}
+    assert diagnoses == {"profile 4.25, exact keys", "profile 4.25, exact values"}
+    assert set(ALL_CONFIGS) == set(CONFIGS) - diagnoses and list(ALL_CONFIGS) == [
+        n for n in CONFIGS if n not in diagnoses]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["eval", "--diff", "fp32", "nosuch"], "argument --diff: unknown configuration 'nosuch'"),
     (["eval", "--seeds", "0"], "argument --seeds: must be >= 1"),

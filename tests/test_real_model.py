@@ -297,7 +297,7 @@ def test_a_needle_grid_resumes_and_remeasures_a_changed_profile(smol, tmp_path, 
     resumed = needles.needle_grid(model, tok, ["fp32", "profile 4.25"], [192], **kw)
     assert calls == [[0.5]] and resumed["results"]["fp32"]["cells"] == first["results"]["fp32"]["cells"]
     calls.clear()
-    monkeypatch.setattr(needles, "_profile_digest", lambda m: "another profile")
+    monkeypatch.setattr(needles, "_profile_digest", lambda m, names: "another profile")
     needles.needle_grid(model, tok, ["fp32", "profile 4.25"], [192], **kw)
     assert calls == [[0.1], [0.5]] and json.loads(out.read_text())["results"]["profile 4.25"]["profile_sha256"] == \
         "another profile"
@@ -469,7 +469,7 @@ def test_a_needle_reading_resumes_and_names_the_reading_layers(smol, tmp_path, m
     orig = ev_needle.needle_attention
     monkeypatch.setattr(ev_needle, "needle_attention", lambda *a, **k: calls.append(a[5]) or orig(*a, **k))
     assert needles.needle_reading(model, tok, ["fp32", "profile 4.25"], 320, 0.5, **kw) == first and calls == []
-    monkeypatch.setattr(needles, "_profile_digest", lambda m: "another profile")
+    monkeypatch.setattr(needles, "_profile_digest", lambda m, names: "another profile")
     again = needles.needle_reading(model, tok, ["fp32", "profile 4.25"], 320, 0.5, **kw)
     assert calls == ["4721"] and again["results"]["profile 4.25"]["profile_sha256"] == "another profile"
     with pytest.raises(ValueError, match="another setup"):

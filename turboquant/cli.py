@@ -254,8 +254,8 @@ def _calibrate(args) -> int:
 def _config_names(args) -> list[str]:
     """``--configs`` as configuration names ('chapter' and 'all' expanded); an unknown name is
     a parser error with the valid ones, and a hint when quotes were missing."""
-    from .suite import CHAPTER_CONFIGS, CONFIGS
-    names = list(CONFIGS) if args.configs == ["all"] else (
+    from .suite import ALL_CONFIGS, CHAPTER_CONFIGS, CONFIGS
+    names = list(ALL_CONFIGS) if args.configs == ["all"] else (
         list(CHAPTER_CONFIGS) if args.configs == ["chapter"] else args.configs)
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
@@ -788,7 +788,7 @@ def main(argv=None) -> int:
 
     e = sub.add_parser("eval", help="perplexity, agreement, fidelity and needle per cache configuration")
     e.add_argument("--configs", nargs="+", default=["chapter"],
-                   help="configuration names, 'chapter' (default) or 'all'; see --list")
+                   help="configuration names, 'chapter' (default) or 'all' (every one but the diagnoses); see --list")
     e.add_argument("--list", action="store_true", help="list the configurations and exit")
     e.add_argument("--model", default="smollm2-135m", help=f"{names}, or the path of an mlx-lm model folder")
     e.add_argument("--tokens", type=_int_at_least(2), default=1024, help="tokens scored for perplexity")

@@ -21,15 +21,32 @@ __all__ = ["needle_grid", "needle_table", "needle_scores", "reads_code", "needle
 HAYSTACK = "lee"      # the distractor text: prose no profile is calibrated on
 
 
-def _profile_digest(model) -> Optional[str]:
-    """SHA-256 of the profile ``make_prompt_cache(profile=True)`` would use (None without one),
-    so a grid resumed after a re-calibration cannot mix two profiles silently."""
+def _profile_digest(model, names: Sequence[str]) -> Optional[str]:
+    """SHA-256 of the profile ``make_prompt_cache(profile=True)`` would use (None without one,
+    or when none of the configurations ``names`` uses it), so a grid resumed after a
+    re-calibration cannot mix two profiles silently."""
     from .calibration.profiles import find_profile
+    from .suite import CONFIGS
+    if not any(CONFIGS[n].needs_profile for n in names):
+        return None
     p = find_profile(model)
     return None if p is None else hashlib.sha256(json.dumps(p, sort_keys=True).encode()).hexdigest()
 
 
 _IDENTITY = {"profile_sha256": "the profile", "calibration_positions": "the positions its coders were fitted for"}
+
+
+def _identity(config, digest: Optional[str], positions: Optional[int]) -> dict:
+    """What a row of ``config`` is measured with, of ``_IDENTITY``'s keys: the profile's digest
+    for a profile row, the positions its coders were fitted for for a calibrated one."""
+    return {**({"profile_sha256": digest} if config.needs_profile else {}),
+            **({"calibration_positions": positions} if config.needs_calibration else {})}
+
+
+def _changed(held: dict, identity: dict) -> Optional[str]:
+    """What a held row was measured with that differs from ``identity`` (``_IDENTITY``'s words
+    for the first), or None when the row can be kept."""
+    return next((_IDENTITY[k] for k in _IDENTITY if held.get(k) != identity.get(k)), None)
 
 
 def _calibration_positions(model, positions) -> Optional[int]:
@@ -96,7 +113,7 @@ def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
     if not depths or any(not (isinstance(d, (int, float)) and 0.0 <= d <= 1.0) for d in depths):
         raise ValueError(f"depths must lie in [0, 1], got {list(depths)}")
     _check_request(names, calibration_corpus)
-    digest = _profile_digest(model) if any(getattr(CONFIGS[n], "needs_profile", False) for n in names) else None
+    digest = _profile_digest(model, names)
     positions = _calibration_positions(model, positions)
     setup = _setup(model_name, contexts, list(depths), values, chunk, calibration_corpus)
     record = {"setup": setup, "results": {}}
@@ -114,17 +131,13 @@ def needle_grid(model, tokenizer, names: Sequence[str], contexts: Sequence[int],
     for context in contexts:
         for name in names:
             fresh = {"family": CONFIGS[name].family, "bits": CONFIGS[name].bits(dim), "cells": [],
-                     "trials": [], "seconds": 0.0}
-            if getattr(CONFIGS[name], "needs_profile", False):
-                fresh["profile_sha256"] = digest
-            if CONFIGS[name].needs_calibration:
-                fresh["calibration_positions"] = positions
+                     "trials": [], "seconds": 0.0, **_identity(CONFIGS[name], digest, positions)}
             row = record["results"].setdefault(name, fresh)
-            stale = [k for k in _IDENTITY if row.get(k) != fresh.get(k)]
+            stale = _changed(row, fresh)
             if stale:
                 if progress:                              # another profile or fit: its cells are stale
-                    print(f"needle: {name}: {_IDENTITY[stale[0]]} changed since its cells were measured; "
-                          "re-running them", flush=True)
+                    print(f"needle: {name}: {stale} changed since its cells were measured; re-running them",
+                          flush=True)
                 row = record["results"][name] = fresh
             todo = [d for d in depths if not any(c["context"] == context and c["depth"] == d for c in row["cells"])]
             for depth in todo:                            # cells an earlier run of this grid measured are kept
@@ -222,17 +235,15 @@ def needle_reading(model, tokenizer, names: Sequence[str], context: int, depth: 
     from .memory import geometry_from_model
     dim = geometry_from_model(model).head_dim
     stats = None
-    digest = _profile_digest(model) if any(getattr(CONFIGS[n], "needs_profile", False) for n in names) else None
+    digest = _profile_digest(model, names)
     for name in names:
-        identity = {"profile_sha256": digest if CONFIGS[name].needs_profile else None,
-                    "calibration_positions": positions if CONFIGS[name].needs_calibration else None}
+        identity = _identity(CONFIGS[name], digest, positions)
         held = record["results"].get(name)
-        if held is not None and all(held.get(k) == v for k, v in identity.items()):
+        stale = None if held is None else _changed(held, identity)
+        if held is not None and not stale:
             continue                                      # measured with the same profile and fit: kept
-        if held is not None and progress:
-            stale = next(k for k, v in identity.items() if held.get(k) != v)
-            print(f"needle reading: {name}: {_IDENTITY[stale]} changed since it was measured; reading it again",
-                  flush=True)
+        if stale and progress:
+            print(f"needle reading: {name}: {stale} changed since it was measured; reading it again", flush=True)
         if CONFIGS[name].needs_calibration and stats is None:
             stats = calibration_statistics(model, tokenizer, names, calibration_corpus, 8, progress,
                                            positions=positions)
@@ -243,7 +254,7 @@ def needle_reading(model, tokenizer, names: Sequence[str], context: int, depth: 
                 print(f"needle reading: {name}, code {v}", flush=True)
             trials.append({"value": v, **needle_attention(model, tokenizer, hay, context, depth, v, make, chunk)})
         record["results"][name] = {"family": CONFIGS[name].family, "bits": CONFIGS[name].bits(dim),
-                                   "trials": trials, **{k: v for k, v in identity.items() if v is not None}}
+                                   "trials": trials, **identity}
         record["setup"].update(machine=platform.machine(), mlx=mx.__version__)
         if out is not None:
             write_record(out, record)

@@ -24,7 +24,7 @@ from .data import load_text
 from .prompt_cache import make_prompt_cache
 
 __all__ = ["mse_config", "best_under", "add_intervals", "diff", "Config", "Reference", "MlxQuantized", "Kivi", "Codecs", "Calibrated", "Profile",
-           "CONFIGS", "CHAPTER_CONFIGS", "calibration_corpus_for", "calibration_statistics", "evaluate", "frontier_rows",
+           "CONFIGS", "ALL_CONFIGS", "CHAPTER_CONFIGS", "calibration_corpus_for", "calibration_statistics", "evaluate", "frontier_rows",
            "intervals_of", "evaluate_domains", "worst_domain", "domain_diffs", "never_worse", "PUBLISHED",
            "best_published", "standing"]
 
@@ -65,6 +65,7 @@ class Config(metaclass=_LegacyConstructor):
     note: str
     needs_calibration = False       # fitted on calibration statistics (``make_cache(model, stats)``)
     needs_profile = False           # uses the model's shipped profile
+    diagnosis = False               # a measurement instrument, not a cache to choose: left out of "all"
 
     def make_cache(self, model, stats=None) -> Optional[Callable[[], list]]:
         """A zero-argument cache factory for ``turboquant.evaluation`` (None: fp32 KVCache).
@@ -255,6 +256,10 @@ class Profile(Config):
     exact: str = ""                 # "keys" or "values": that half held exactly (float32), a diagnosis
     needs_profile = True
 
+    @property
+    def diagnosis(self) -> bool:
+        return bool(self.exact)
+
     def make_cache(self, model, stats=None):
         if self.exact:
             return self._half_cache(model)
@@ -391,6 +396,10 @@ CONFIGS: dict[str, Config] = {
         note=f"the shipped profile's coders at 4.25 bits, the {half} held exactly (float32)")
        for half in ("keys", "values")},
 }
+
+# ``turboquant eval --configs all``: every configuration a user could choose (the diagnosis rows,
+# one half of a cache held in float32, are named explicitly when wanted)
+ALL_CONFIGS = tuple(name for name, config in CONFIGS.items() if not config.diagnosis)
 
 CHAPTER_CONFIGS = ("fp32", "mlx-lm affine 4", "uniform 4", "uniform 3", "TQ-mse 4", "TQ-mse 3",
                    "TQ-mse 2", "TQ-prod 4", "FibQuant 3.5", "K4/V3", "centered TQ-mse 4",
