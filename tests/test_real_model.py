@@ -393,9 +393,11 @@ def test_needle_attention_reads_what_attention_reads(smol):
         mass = np.array(out[0, :, -L:, 0].mean(-1))
         assert np.allclose(fp["mass"][n], mass, atol=1e-4)
     assert fp["noise"] == [0.0] * len(fp["noise"]) and fp["noise_code"] == [0.0] * len(fp["noise"])
+    assert fp["value_noise"] == [0.0] * len(fp["noise"]) == fp["value_incoherent"]
     exact = needle_attention(model, tok, hay, 320, 0.5, "4721",
                              lambda: make_prompt_cache(model, key_codec=Identity, value_codec=Identity), chunk=64)
     assert exact["noise"] == [0.0] * len(fp["noise"]) and np.allclose(exact["mass"], fp["mass"], atol=1e-4)
+    assert exact["value_noise"] == [0.0] * len(fp["noise"])
     # through a wrapper (keys stored before RoPE and turned back): the exact keys it is given are
     # what it returns, so an exact coder adds no noise there either
     wrapped = needle_attention(model, tok, hay, 320, 0.5, "4721", lambda: make_prompt_cache(
@@ -404,6 +406,42 @@ def test_needle_attention_reads_what_attention_reads(smol):
     mk = lambda: make_prompt_cache(model, bits=4.25)
     coded = needle_attention(model, tok, hay, 320, 0.5, "4721", mk, chunk=64)
     assert all(x > 0 for x in coded["noise"])              # coding adds score noise in every layer
+    assert all(x > 0 for x in coded["value_noise"]) and all(x > 0 for x in coded["value_incoherent"])
+    # each half's measure reads its own half: exact keys add no score noise, exact values no value noise
+    from turboquant.budget import codecs_for
+    k4, v4 = codecs_for(4, 4, True)
+    keys_only = needle_attention(model, tok, hay, 320, 0.5, "4721", lambda: make_prompt_cache(
+        model, key_codec=k4, value_codec=Identity, sink_tokens=1), chunk=64)
+    values_only = needle_attention(model, tok, hay, 320, 0.5, "4721", lambda: make_prompt_cache(
+        model, key_codec=Identity, value_codec=v4, sink_tokens=1), chunk=64)
+    assert keys_only["value_noise"] == [0.0] * len(fp["noise"]) and min(keys_only["noise"]) > 0
+    assert values_only["noise"] == [0.0] * len(fp["noise"]) and min(values_only["value_noise"]) > 0
+    # the value measures, recomputed in the first layer (whose inputs no coding has touched yet)
+    # from the exact run's queries and keys (exact keys: the same weights) and the values the
+    # cache was given and gave back, captured from its update_and_fetch
+    held = {}
+    cache = make_prompt_cache(model, key_codec=Identity, value_codec=v4, sink_tokens=1)
+    for n, c in enumerate(cache):
+        def keep(keys, values, inner=c.update_and_fetch, n=n):
+            out = inner(keys, values)
+            held[n] = (values if n not in held else mx.concatenate([held[n][0], values], axis=2), out[1])
+            return out
+        c.update_and_fetch = keep
+    from turboquant.evaluation.prefilling import next_logits
+    next_logits(model, mx.array(ids)[None], cache, 64)
+    model(mx.array(answer[:-1])[None], cache=cache)
+    for n in (0,):
+        q, s = np.array(qkv[n]["q"][0]), qkv[n]["scale"]
+        k, v, vh = (np.repeat(np.array(x[0]), q.shape[0] // x.shape[1], axis=0)
+                    for x in (qkv[n]["k"], *held[n]))
+        T = k.shape[1]
+        scores = np.where(np.tril(np.ones((T, T), bool)), (q @ k.transpose(0, 2, 1)) * s, -np.inf)[:, -L:]
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        dv, out = vh - v, np.linalg.norm(w @ v, axis=-1)
+        assert values_only["value_noise"][n] == pytest.approx((np.linalg.norm(w @ dv, axis=-1) / out).mean(), rel=1e-3)
+        incoherent = np.sqrt((w * w) @ (dv * dv).sum(-1)[..., None])[..., 0] / out
+        assert values_only["value_incoherent"][n] == pytest.approx(incoherent.mean(), rel=1e-3)
     t = needle_accuracy(model, tok, hay, [320], [0.5], mk, values=("4721",), chunk=64, max_tokens=1)["trials"][0]
     assert coded["code_logp"] == pytest.approx(t["code_logp"], abs=1e-3)
 
@@ -472,5 +510,11 @@ def test_a_needle_reading_resumes_and_names_the_reading_layers(smol, tmp_path, m
     monkeypatch.setattr(needles, "_profile_digest", lambda m, names: "another profile")
     again = needles.needle_reading(model, tok, ["fp32", "profile 4.25"], 320, 0.5, **kw)
     assert calls == ["4721"] and again["results"]["profile 4.25"]["profile_sha256"] == "another profile"
+    older = json.loads(out.read_text())           # a row read before the value measures existed
+    del older["results"]["fp32"]["trials"][0]["value_noise"]
+    out.write_text(json.dumps(older))
+    calls.clear()
+    renewed = needles.needle_reading(model, tok, ["fp32", "profile 4.25"], 320, 0.5, **kw)
+    assert calls == ["4721"] and renewed["results"]["fp32"] == first["results"]["fp32"]
     with pytest.raises(ValueError, match="another setup"):
         needles.needle_reading(model, tok, ["fp32"], 320, 0.1, **kw)

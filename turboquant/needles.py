@@ -198,17 +198,23 @@ def needle_scores(record: dict) -> list[dict]:
     return out
 
 
+# what a reading records per trial since the value measures were added: a row read before is read again
+_READ_FIELDS = ("mass", "noise", "noise_code", "value_noise", "value_incoherent", "code_logp")
+
+
 def needle_reading(model, tokenizer, names: Sequence[str], context: int, depth: float, values: int = 3, *,
                    model_name: str = "", out: Optional[Path] = None, chunk: int = 256,
                    calibration_corpus: str = "wikipedia", positions="context", progress: bool = True) -> dict:
     """Where the answer reads the needle (``evaluation.needle.needle_attention``) through each
     named configuration, for the first ``values`` codes of the grid (``needle_values``) at one
     ``context`` and ``depth``: {"setup": …, "results": {name: {"family", "bits", "trials":
-    [{"value", "mass" (layers × query heads), "noise", "noise_code" (per layer), "code_logp",
+    [{"value", "mass" (layers × query heads), "noise", "noise_code", "value_noise",
+    "value_incoherent" (per layer), "code_logp",
     "code_tokens"}]}}}. Calibrated rows are fitted as ``needle_grid`` fits them. ``out``: the
     JSON file written after every configuration; a configuration it holds (same setup) is kept,
     not re-run, unless what it was measured with changed (the profile, the positions its coders
-    were fitted for), as in ``needle_grid``."""
+    were fitted for), as in ``needle_grid``, or it lacks a quantity ``needle_attention`` records
+    now (it was read before that quantity existed)."""
     from .checks import check_int
     from .data import load_text
     from .evaluation import encode_text, needle_values
@@ -239,7 +245,8 @@ def needle_reading(model, tokenizer, names: Sequence[str], context: int, depth: 
     for name in names:
         identity = _identity(CONFIGS[name], digest, positions)
         held = record["results"].get(name)
-        stale = None if held is None else _changed(held, identity)
+        stale = None if held is None else _changed(held, identity) or next(
+            (f"what it records ({f})" for f in _READ_FIELDS if any(f not in t for t in held["trials"])), None)
         if held is not None and not stale:
             continue                                      # measured with the same profile and fit: kept
         if stale and progress:

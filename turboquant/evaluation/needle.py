@@ -145,7 +145,14 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
       cache's coding adds, scale·q·(k̂ − k) (k: the keys this run computed, k̂: what its cache
       returns for them; q: the answer's queries), averaged over heads and rows; 0 for exact
       caches;
-    - ``noise_code[ℓ]``: the mean absolute score error on the code's tokens.
+    - ``noise_code[ℓ]``: the mean absolute score error on the code's tokens;
+    - ``value_noise[ℓ]``: what the cache's value coding changes in those rows' attention
+      output, ‖Σᵢ wᵢ(v̂ᵢ − vᵢ)‖ / ‖Σᵢ wᵢvᵢ‖ (w: the rows' attention weights in this run),
+      averaged over heads and rows; 0 for exact values;
+    - ``value_incoherent[ℓ]``: the same ratio were the tokens' value errors independent with
+      mean zero, √(Σᵢ wᵢ²‖v̂ᵢ − vᵢ‖²) / ‖Σᵢ wᵢvᵢ‖: averaging over many tokens shrinks such
+      errors, so ``value_noise`` well above it says the errors share a direction (a bias the
+      attention output keeps however many tokens it averages).
 
     Also "code_logp", as ``answer_logprobs`` gives it, and "code_tokens" (their positions).
     The errors are measured inside the cache's own run: what earlier layers' coding changed
@@ -183,30 +190,36 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
 
     def recording(original):
         def sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, **kw):
-            read(queries, keys, cache, scale)
+            read(queries, keys, values, cache, scale)
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
         return sdpa
 
-    def read(queries, keys, cache, scale):
+    def read(queries, keys, values, cache, scale):
         n = layer_of.get(id(cache))
-        if answering[0] and n is not None and keys.shape[2] == exact[n].shape[2]:
+        if answering[0] and n is not None and keys.shape[2] == exact[n][0].shape[2]:
             q = queries[0].astype(mx.float32)                       # (Hq, L, D)
-            k = repeat_kv(keys.astype(mx.float32), q.shape[0])[0]   # (Hq, T, D)
-            e = repeat_kv(exact[n].astype(mx.float32), q.shape[0])[0]
+            as_q = lambda x: repeat_kv(x.astype(mx.float32), q.shape[0])[0]   # (Hq, T, D)
+            k, e = as_q(keys), as_q(exact[n][0])
             T, L = k.shape[1], q.shape[1]
             s = (q @ k.transpose(0, 2, 1)) * scale
             w = mx.softmax(mx.where(causal_mask(L, T), s, -mx.inf), axis=-1)
             err = (q @ (k - e).transpose(0, 2, 1)) * scale          # (Hq, L, T)
             others = mx.array([i for i in range(T - L) if i not in span])
+            v = as_q(exact[n][1])                                   # the values this run computed
+            dv = as_q(values) - v                                   # what the cache's coding changed
+            out = mx.linalg.norm(w @ v, axis=-1)                    # (Hq, L)
             record[n] = (w[:, :, code_pos[0]:code_pos[-1] + 1].sum(-1).mean(-1),
                          mx.take(err, others, axis=2).std(axis=-1).mean(),
-                         mx.abs(err[:, :, code_pos[0]:code_pos[-1] + 1]).mean())
+                         mx.abs(err[:, :, code_pos[0]:code_pos[-1] + 1]).mean(),
+                         (mx.linalg.norm(w @ dv, axis=-1) / out).mean(),
+                         (mx.sqrt((w * w) @ mx.sum(dv * dv, axis=-1)[..., None])[..., 0] / out).mean())
 
     def keeping(c, n):
         inner = c.update_and_fetch
 
         def update_and_fetch(keys, values):
-            exact[n] = keys if n not in exact else mx.concatenate([exact[n], keys], axis=2)
+            exact[n] = (keys, values) if n not in exact else tuple(
+                mx.concatenate([held, new], axis=2) for held, new in zip(exact[n], (keys, values)))
             return inner(keys, values)
         c.update_and_fetch = update_and_fetch
 
@@ -231,5 +244,7 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
     return {"mass": [record[n][0].tolist() for n in range(len(cache))],
             "noise": [record[n][1].item() for n in range(len(cache))],
             "noise_code": [record[n][2].item() for n in range(len(cache))],
+            "value_noise": [record[n][3].item() for n in range(len(cache))],
+            "value_incoherent": [record[n][4].item() for n in range(len(cache))],
             "code_logp": sum(rest[0, j - 1, answer[j]].item() for j in range(1, len(answer))),
             "code_tokens": code_pos}
