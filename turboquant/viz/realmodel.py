@@ -228,5 +228,6 @@ def plot_key_channels(raw: list, rotated: list, layer: int = 0, title: str = "")
     ax.set_ylabel("RMS of the unit key's coordinate")
     ax.set_title(f"{title}layer {layer}: peak/median {raw[layer]['peak_to_median']:.0f} raw, "
                  f"{rotated[layer]['peak_to_median']:.1f} rotated", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
+    fig.tight_layout()                                      # the axis label and the legend inside the figure
     return fig
