@@ -340,3 +340,27 @@ def test_the_needle_reading_figure_draws_each_rows_mass_per_layer():
     assert ax.get_title() == "4,096 tokens, needle at 10% depth, 2 codes"
     with pytest.raises(ValueError, match="names must be rows of the record .* got \\['c'\\]"):
         plot_needle_reading(record, ["fp32", "c"])
+
+
+def test_the_value_noise_figure_draws_measured_and_independent_per_layer():
+    import numpy as np
+
+    from turboquant.needles import value_noise
+    from turboquant.viz import plot_value_noise
+    trial = lambda n, i: {"value_noise": [n, 2 * n], "value_incoherent": [i, i]}        # 2 layers
+    record = {"setup": {"context": 4096, "depth": 0.1, "values": 2},
+              "results": {"fp32": {"trials": [trial(0.0, 0.0)] * 2},
+                          "a": {"trials": [trial(0.1, 0.05), trial(0.3, 0.05)]},
+                          "old": {"trials": [{"mass": [[0.1]]}]}}}
+    measured, independent = value_noise(record, "a")
+    assert np.allclose(measured, [0.2, 0.4]) and np.allclose(independent, [0.05, 0.05])   # mean over codes
+    with pytest.raises(ValueError, match="'old' was read before the value measures"):
+        value_noise(record, "old")
+    with pytest.raises(ValueError, match="'b' is not a row"):
+        value_noise(record, "b")
+    fig = plot_value_noise(record, ["a"])
+    labels = [line.get_label() for line in fig.axes[0].lines]
+    assert labels == ["a: measured", "a: were the errors independent"]
+    assert np.allclose(fig.axes[0].lines[0].get_ydata(), [0.2, 0.4])
+    del record["results"]["old"]
+    assert [line.get_label() for line in plot_value_noise(record).axes[0].lines][0] == "a: measured"  # exact rows left out

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-__all__ = ["needle_grid", "needle_table", "needle_scores", "reads_code", "needle_reading", "reading_layers", "reading_mass"]
+__all__ = ["needle_grid", "needle_table", "needle_scores", "reads_code", "needle_reading", "reading_layers", "reading_mass", "value_noise"]
 
 HAYSTACK = "lee"      # the distractor text: prose no profile is calibrated on
 
@@ -275,6 +275,21 @@ def reading_mass(record: dict, name: str):
     if name not in record["results"]:
         raise ValueError(f"{name!r} is not a row of this reading ({sorted(record['results'])})")
     return np.mean([t["mass"] for t in record["results"][name]["trials"]], axis=0).sum(-1)
+
+
+def value_noise(record: dict, name: str):
+    """Per layer, what ``name``'s value coding changes in the answer's attention output in a
+    needle reading, and what it would change were the tokens' value errors independent with
+    mean zero (``needle_attention``'s "value_noise" and "value_incoherent", averaged over the
+    recorded codes): two numpy arrays, one value per layer."""
+    import numpy as np
+    if name not in record["results"]:
+        raise ValueError(f"{name!r} is not a row of this reading ({sorted(record['results'])})")
+    trials = record["results"][name]["trials"]
+    if any("value_noise" not in t for t in trials):
+        raise ValueError(f"{name!r} was read before the value measures were recorded; read it again "
+                         "(turboquant needle --attention re-reads such rows)")
+    return tuple(np.mean([t[k] for t in trials], axis=0) for k in ("value_noise", "value_incoherent"))
 
 
 def reading_layers(record: dict, reference: str = "fp32", least: float = 0.1) -> list[int]:

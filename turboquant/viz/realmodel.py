@@ -211,6 +211,34 @@ def plot_needle_reading(record: dict, names=None):
     return fig
 
 
+def plot_value_noise(record: dict, names=None):
+    """What each configuration's value coding changes in the answer's attention output, layer by
+    layer, in a needle reading (``needles.value_noise``): measured (solid) and what independent,
+    mean-zero errors of the same size would give (dashed). One colour per configuration
+    (``names``, in that order; default every row whose values are coded)."""
+    from ..needles import value_noise
+    results = record["results"]
+    names = [n for n in results if max(value_noise(record, n)[0]) > 0] if names is None else list(names)
+    missing = [n for n in names if n not in results]
+    if missing or not names:
+        raise ValueError(f"names must be rows of the record ({sorted(results)}), got {missing or names}")
+    fig, ax = figure(width=7.0, height=3.4)
+    for i, name in enumerate(names):
+        measured, independent = value_noise(record, name)
+        colour = FAMILY_COLORS[i % len(FAMILY_COLORS)]
+        layers = np.arange(len(measured))
+        ax.plot(layers, measured, ".-", ms=4, lw=1.2, color=colour, label=f"{name}: measured")
+        ax.plot(layers, independent, "--", lw=1, color=colour, label=f"{name}: were the errors independent")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("‖Σ w (v̂ − v)‖ / ‖Σ w v‖")
+    s = record["setup"]
+    ax.set_title(f"value error in the answer's attention output: {s['context']:,} tokens, "
+                 f"needle at {s['depth']:.0%} depth, {s['values']} codes", fontsize=9)
+    ax.legend(fontsize=7, frameon=False, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
 def plot_key_channels(raw: list, rotated: list, layer: int = 0, title: str = ""):
     """One layer's key channels (``evaluation.channel_profile`` per layer, ``raw`` and
     ``rotated``): each channel's RMS of the unit key's coordinate, before and after the
