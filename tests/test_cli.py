@@ -81,8 +81,22 @@ def test_configs_all_leaves_the_diagnoses_out():
     from turboquant.suite import ALL_CONFIGS, CONFIGS
     diagnoses = {n for n, c in CONFIGS.items() if c.diagnosis}
     assert diagnoses == {"profile 4.25, exact keys", "profile 4.25, exact values"}
-    assert set(ALL_CONFIGS) == set(CONFIGS) - diagnoses and list(ALL_CONFIGS) == [
-        n for n in CONFIGS if n not in diagnoses]
+    assert set(ALL_CONFIGS) == set(CONFIGS) - diagnoses
+
+
+def test_eval_configs_all_runs_every_configuration_but_the_diagnoses(monkeypatch, capsys):
+    """What `eval --configs all` hands to the run (stopped at its first check, before a model loads)."""
+    import turboquant.suite as suite
+    seen = []
+
+    def stop(names, *args):
+        seen.append(list(names))
+        raise ValueError("stopped here")
+    monkeypatch.setattr(suite, "calibration_corpus_for", stop)
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--configs", "all"])
+    assert seen == [list(suite.ALL_CONFIGS)] and "profile 4.25, exact keys" not in seen[0]
+    assert "stopped here" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -403,6 +403,7 @@ def test_needle_attention_reads_what_attention_reads(smol):
     wrapped = needle_attention(model, tok, hay, 320, 0.5, "4721", lambda: make_prompt_cache(
         model, key_codec=Identity, value_codec=Identity, pre_rope=True), chunk=64)
     assert max(wrapped["noise"]) < 1e-4 and np.allclose(wrapped["mass"], fp["mass"], atol=1e-3)
+    assert max(wrapped["value_noise"]) < 1e-6                 # the values pass through the wrapper exactly
     mk = lambda: make_prompt_cache(model, bits=4.25)
     coded = needle_attention(model, tok, hay, 320, 0.5, "4721", mk, chunk=64)
     assert all(x > 0 for x in coded["noise"])              # coding adds score noise in every layer

@@ -362,5 +362,9 @@ def test_the_value_noise_figure_draws_measured_and_independent_per_layer():
     labels = [line.get_label() for line in fig.axes[0].lines]
     assert labels == ["a: measured", "a: were the errors independent"]
     assert np.allclose(fig.axes[0].lines[0].get_ydata(), [0.2, 0.4])
-    del record["results"]["old"]
-    assert [line.get_label() for line in plot_value_noise(record).axes[0].lines][0] == "a: measured"  # exact rows left out
+    # by default: the rows with coded values and the measures (not fp32's exact ones, not the old row)
+    assert [line.get_label() for line in plot_value_noise(record).axes[0].lines] == [
+        "a: measured", "a: were the errors independent"]
+    del record["results"]["a"]
+    with pytest.raises(ValueError, match="no row of the record has coded values"):
+        plot_value_noise(record)

@@ -843,8 +843,8 @@ def main(argv=None) -> int:
                          "existing file resumes; without --out nothing is saved")
     nd.add_argument("--attention", action="store_true",
                     help="instead of the grid, record where the answer reads the needle (attention on the "
-                         "code's tokens and the score noise per layer) at one context and depth; a few "
-                         "--values suffice")
+                         "code's tokens, the score noise and what value coding changes in the attention output, "
+                         "per layer) at one context and depth; a few --values suffice")
     nd.add_argument("--quiet", action="store_true", help="no progress bars")
     nd.set_defaults(run=_needle)
 

@@ -198,10 +198,6 @@ def needle_scores(record: dict) -> list[dict]:
     return out
 
 
-# what a reading records per trial since the value measures were added: a row read before is read again
-_READ_FIELDS = ("mass", "noise", "noise_code", "value_noise", "value_incoherent", "code_logp")
-
-
 def needle_reading(model, tokenizer, names: Sequence[str], context: int, depth: float, values: int = 3, *,
                    model_name: str = "", out: Optional[Path] = None, chunk: int = 256,
                    calibration_corpus: str = "wikipedia", positions="context", progress: bool = True) -> dict:
@@ -218,7 +214,7 @@ def needle_reading(model, tokenizer, names: Sequence[str], context: int, depth: 
     from .checks import check_int
     from .data import load_text
     from .evaluation import encode_text, needle_values
-    from .evaluation.needle import needle_attention
+    from .evaluation.needle import READING_FIELDS, needle_attention
     from .records import read_record, write_record
     from .suite import CONFIGS, calibration_statistics
     values = check_int("values", values, 1)
@@ -245,12 +241,14 @@ def needle_reading(model, tokenizer, names: Sequence[str], context: int, depth: 
     for name in names:
         identity = _identity(CONFIGS[name], digest, positions)
         held = record["results"].get(name)
-        stale = None if held is None else _changed(held, identity) or next(
-            (f"what it records ({f})" for f in _READ_FIELDS if any(f not in t for t in held["trials"])), None)
-        if held is not None and not stale:
+        lacks = None if held is None else next((f for f in READING_FIELDS if any(f not in t for t in held["trials"])),
+                                                None)
+        stale = None if held is None else _changed(held, identity)
+        if held is not None and not stale and not lacks:
             continue                                      # measured with the same profile and fit: kept
-        if stale and progress:
-            print(f"needle reading: {name}: {stale} changed since it was measured; reading it again", flush=True)
+        if progress and (stale or lacks):
+            why = f"{stale} changed since it was measured" if stale else f"it lacks {lacks} (read before it was recorded)"
+            print(f"needle reading: {name}: {why}; reading it again", flush=True)
         if CONFIGS[name].needs_calibration and stats is None:
             stats = calibration_statistics(model, tokenizer, names, calibration_corpus, 8, progress,
                                            positions=positions)
@@ -286,7 +284,7 @@ def value_noise(record: dict, name: str):
     if name not in record["results"]:
         raise ValueError(f"{name!r} is not a row of this reading ({sorted(record['results'])})")
     trials = record["results"][name]["trials"]
-    if any("value_noise" not in t for t in trials):
+    if any(k not in t for t in trials for k in ("value_noise", "value_incoherent")):
         raise ValueError(f"{name!r} was read before the value measures were recorded; read it again "
                          "(turboquant needle --attention re-reads such rows)")
     return tuple(np.mean([t[k] for t in trials], axis=0) for k in ("value_noise", "value_incoherent"))

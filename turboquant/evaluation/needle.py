@@ -12,7 +12,10 @@ from .prefilling import MakeCache, fill_cache, fresh_cache, greedy, next_logits
 from .text import encode_text
 
 __all__ = ["needle_prompt", "needle_accuracy", "needle_attention", "answer_logprobs", "needle_values", "NEEDLE", "QUESTION",
-           "NEEDLE_VALUES"]
+           "NEEDLE_VALUES", "READING_FIELDS"]
+
+# what ``needle_attention`` records per trial: a reading made before one of these existed is read again
+READING_FIELDS = ("mass", "noise", "noise_code", "value_noise", "value_incoherent", "code_logp", "code_tokens")
 
 
 NEEDLE = "The secret code of the blue door is {value}."
@@ -152,7 +155,9 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
     - ``value_incoherent[ℓ]``: the same ratio were the tokens' value errors independent with
       mean zero, √(Σᵢ wᵢ²‖v̂ᵢ − vᵢ‖²) / ‖Σᵢ wᵢvᵢ‖: averaging over many tokens shrinks such
       errors, so ``value_noise`` well above it says the errors share a direction (a bias the
-      attention output keeps however many tokens it averages).
+      attention output keeps however many tokens it averages). Both are ratios per head and
+      row, then averaged, so a head whose output is small weighs as much as one whose output is
+      large; a zero output gives 0 when nothing was changed, else inf.
 
     Also "code_logp", as ``answer_logprobs`` gives it, and "code_tokens" (their positions).
     The errors are measured inside the cache's own run: what earlier layers' coding changed
@@ -208,11 +213,12 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
             v = as_q(exact[n][1])                                   # the values this run computed
             dv = as_q(values) - v                                   # what the cache's coding changed
             out = mx.linalg.norm(w @ v, axis=-1)                    # (Hq, L)
+            ratio = lambda x: mx.where(out > 0, x / mx.maximum(out, 1e-30), mx.where(x > 0, mx.inf, 0.0))
             record[n] = (w[:, :, code_pos[0]:code_pos[-1] + 1].sum(-1).mean(-1),
                          mx.take(err, others, axis=2).std(axis=-1).mean(),
                          mx.abs(err[:, :, code_pos[0]:code_pos[-1] + 1]).mean(),
-                         (mx.linalg.norm(w @ dv, axis=-1) / out).mean(),
-                         (mx.sqrt((w * w) @ mx.sum(dv * dv, axis=-1)[..., None])[..., 0] / out).mean())
+                         ratio(mx.linalg.norm(w @ dv, axis=-1)).mean(),
+                         ratio(mx.sqrt((w * w) @ mx.sum(dv * dv, axis=-1)[..., None])[..., 0]).mean())
 
     def keeping(c, n):
         inner = c.update_and_fetch

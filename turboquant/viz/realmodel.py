@@ -187,15 +187,20 @@ def plot_needle_grid(record: dict, names=None):
     return fig
 
 
+def _reading_rows(record: dict, names) -> list:
+    """``names`` as a list, each a row of a needle reading ``record`` (else ``ValueError``)."""
+    results, names = record["results"], list(names)
+    missing = [n for n in names if n not in results]
+    if missing or not names:
+        raise ValueError(f"names must be rows of the record ({sorted(results)}), got {missing or names}")
+    return names
+
+
 def plot_needle_reading(record: dict, names=None):
     """Where the answer reads the needle (``needles.needle_reading``): per layer, the attention
     the answer's queries give the code's tokens, summed over query heads and averaged over the
     recorded codes, one line per configuration (``names``, in that order; default every row)."""
-    results = record["results"]
-    names = list(results) if names is None else list(names)
-    missing = [n for n in names if n not in results]
-    if missing or not names:
-        raise ValueError(f"names must be rows of the record ({sorted(results)}), got {missing or names}")
+    names = _reading_rows(record, list(record["results"]) if names is None else names)
     from ..needles import reading_mass
     fig, ax = figure(width=7.0, height=3.4)
     for i, name in enumerate(names):
@@ -218,10 +223,13 @@ def plot_value_noise(record: dict, names=None):
     (``names``, in that order; default every row whose values are coded)."""
     from ..needles import value_noise
     results = record["results"]
-    names = [n for n in results if max(value_noise(record, n)[0]) > 0] if names is None else list(names)
-    missing = [n for n in names if n not in results]
-    if missing or not names:
-        raise ValueError(f"names must be rows of the record ({sorted(results)}), got {missing or names}")
+    if names is None:                  # rows that recorded the value measures and whose values are coded
+        names = [n for n, r in results.items() if all("value_noise" in t and "value_incoherent" in t
+                                                         for t in r["trials"]) and np.any(value_noise(record, n)[0] > 0)]
+        if not names:
+            raise ValueError("no row of the record has coded values with the value measures recorded; "
+                             f"rows: {sorted(results)}")
+    names = _reading_rows(record, names)
     fig, ax = figure(width=7.0, height=3.4)
     for i, name in enumerate(names):
         measured, independent = value_noise(record, name)
@@ -230,7 +238,7 @@ def plot_value_noise(record: dict, names=None):
         ax.plot(layers, measured, ".-", ms=4, lw=1.2, color=colour, label=f"{name}: measured")
         ax.plot(layers, independent, "--", lw=1, color=colour, label=f"{name}: were the errors independent")
     ax.set_xlabel("layer")
-    ax.set_ylabel("‖Σ w (v̂ − v)‖ / ‖Σ w v‖")
+    ax.set_ylabel("change of the attention output\n÷ its size")
     s = record["setup"]
     ax.set_title(f"value error in the answer's attention output: {s['context']:,} tokens, "
                  f"needle at {s['depth']:.0%} depth, {s['values']} codes", fontsize=9)
