@@ -190,7 +190,8 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
             raise ValueError("needle_attention reads the keys attention is given; mlx-lm's QuantizedKVCache "
                              "gives packed tuples instead")
     layer_of = {id(c): n for n, c in enumerate(cache)}
-    exact: dict = {}
+    exact: dict = {}                 # layer → ([key chunks], [value chunks]) as the run computed them
+    held = lambda n, i: mx.concatenate(exact[n][i], axis=2)   # joined once, when the answer reads them
     record: dict = {}
 
     def recording(original):
@@ -201,16 +202,16 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
 
     def read(queries, keys, values, cache, scale):
         n = layer_of.get(id(cache))
-        if answering[0] and n is not None and keys.shape[2] == exact[n][0].shape[2]:
+        if answering[0] and n is not None and keys.shape[2] == sum(c.shape[2] for c in exact[n][0]):
             q = queries[0].astype(mx.float32)                       # (Hq, L, D)
             as_q = lambda x: repeat_kv(x.astype(mx.float32), q.shape[0])[0]   # (Hq, T, D)
-            k, e = as_q(keys), as_q(exact[n][0])
+            k, e = as_q(keys), as_q(held(n, 0))
             T, L = k.shape[1], q.shape[1]
             s = (q @ k.transpose(0, 2, 1)) * scale
             w = mx.softmax(mx.where(causal_mask(L, T), s, -mx.inf), axis=-1)
             err = (q @ (k - e).transpose(0, 2, 1)) * scale          # (Hq, L, T)
             others = mx.array([i for i in range(T - L) if i not in span])
-            v = as_q(exact[n][1])                                   # the values this run computed
+            v = as_q(held(n, 1))                                    # the values this run computed
             dv = as_q(values) - v                                   # what the cache's coding changed
             out = mx.linalg.norm(w @ v, axis=-1)                    # (Hq, L)
             ratio = lambda x: mx.where(out > 0, x / mx.maximum(out, 1e-30), mx.where(x > 0, mx.inf, 0.0))
@@ -224,8 +225,9 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
         inner = c.update_and_fetch
 
         def update_and_fetch(keys, values):
-            exact[n] = (keys, values) if n not in exact else tuple(
-                mx.concatenate([held, new], axis=2) for held, new in zip(exact[n], (keys, values)))
+            chunks = exact.setdefault(n, ([], []))       # appended, not re-joined at every chunk
+            chunks[0].append(keys)
+            chunks[1].append(values)
             return inner(keys, values)
         c.update_and_fetch = update_and_fetch
 
