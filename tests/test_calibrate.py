@@ -614,7 +614,7 @@ def test_a_profile_may_code_keys_before_rope_and_its_caches_say_so(model, profil
     with monkeypatch.context() as m:                                    # answered without fitting a coder
         m.setattr(store, "fit_layers", lambda *a, **k: pytest.fail("codes_keys_before_rope fitted coders"))
         m.setattr(store, "capture_statistics", lambda *a, **k: pytest.fail("codes_keys_before_rope captured"))
-        m.setattr(store, "_read_coders", lambda path: None)              # as if none were kept on disk
+        m.setenv("TURBOQUANT_CACHE", str(tmp_path / "empty"))           # no coders kept on disk
         cal.clear_memo()
         assert codes_keys_before_rope(model, 4.25, str(path)) and not codes_keys_before_rope(model, 3.3, str(path))
     bad = json.loads(json.dumps(forced))

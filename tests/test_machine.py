@@ -110,11 +110,10 @@ def test_kernel_build_flags_on_a_mac():
     assert "-march=native" in intel[0] and not any("-fopenmp" in t for t in intel)
 
 
-def test_fast_blas_is_not_attempted_on_macos(monkeypatch):
-    monkeypatch.setattr(blas, "_state", {"loaded": None, "reason": "not attempted"})
-    monkeypatch.setattr(sys, "platform", "darwin")
-    assert blas.enable() is False
-    assert blas.status()["reason"] == "not needed on darwin"
+def test_fast_blas_is_not_attempted_on_macos_or_when_opted_out():
+    assert blas.skip_reason("darwin", {}) == "not needed on darwin"
+    assert blas.skip_reason("linux", {blas.ENV: " Off"}) == f"disabled by {blas.ENV}=0"
+    assert blas.skip_reason("linux", {}) is None and blas.skip_reason("linux", {blas.ENV: "1"}) is None
 
 
 def test_chromium_is_found_in_a_mac_application_bundle(monkeypatch):

@@ -270,6 +270,15 @@ def test_held_out_calibration_text_is_scored_only_past_the_calibration_windows(s
     assert r["setup"]["start"] == 512 and r["results"]["fp32"]["ppl"] == alone["ppl"]
 
 
+def _recalibrated(monkeypatch, model):
+    """As if the model were calibrated again: ``find_profile`` (which the caches and a row's
+    recorded digest both read) returns the shipped profile with one field changed."""
+    from turboquant.calibration import profiles
+    shipped = profiles.find_profile(model)
+    changed = {**shipped, "seconds": shipped["seconds"] + 1.0}
+    monkeypatch.setattr(profiles, "find_profile", lambda m: changed)
+
+
 def test_a_needle_grid_resumes_and_remeasures_a_changed_profile(smol, tmp_path, monkeypatch):
     """``needles.needle_grid`` writes its JSON after every cell; a second call keeps what the
     file holds (an interrupted run measures only its missing cells), and measures again a
@@ -297,10 +306,10 @@ def test_a_needle_grid_resumes_and_remeasures_a_changed_profile(smol, tmp_path, 
     resumed = needles.needle_grid(model, tok, ["fp32", "profile 4.25"], [192], **kw)
     assert calls == [[0.5]] and resumed["results"]["fp32"]["cells"] == first["results"]["fp32"]["cells"]
     calls.clear()
-    monkeypatch.setattr(needles, "_profile_digest", lambda m, names: "another profile")
+    _recalibrated(monkeypatch, model)
     needles.needle_grid(model, tok, ["fp32", "profile 4.25"], [192], **kw)
-    assert calls == [[0.1], [0.5]] and json.loads(out.read_text())["results"]["profile 4.25"]["profile_sha256"] == \
-        "another profile"
+    digest = json.loads(out.read_text())["results"]["profile 4.25"]["profile_sha256"]
+    assert calls == [[0.1], [0.5]] and digest != first["results"]["profile 4.25"]["profile_sha256"]
     with pytest.raises(ValueError, match="another setup"):
         needles.needle_grid(model, tok, ["fp32"], [192], **{**kw, "values": 2})
     with pytest.raises(ValueError, match="unknown configuration"):
@@ -508,9 +517,10 @@ def test_a_needle_reading_resumes_and_names_the_reading_layers(smol, tmp_path, m
     orig = ev_needle.needle_attention
     monkeypatch.setattr(ev_needle, "needle_attention", lambda *a, **k: calls.append(a[5]) or orig(*a, **k))
     assert needles.needle_reading(model, tok, ["fp32", "profile 4.25"], 320, 0.5, **kw) == first and calls == []
-    monkeypatch.setattr(needles, "_profile_digest", lambda m, names: "another profile")
+    _recalibrated(monkeypatch, model)
     again = needles.needle_reading(model, tok, ["fp32", "profile 4.25"], 320, 0.5, **kw)
-    assert calls == ["4721"] and again["results"]["profile 4.25"]["profile_sha256"] == "another profile"
+    assert calls == ["4721"] and again["results"]["profile 4.25"]["profile_sha256"] != \
+        first["results"]["profile 4.25"]["profile_sha256"]
     older = json.loads(out.read_text())           # a row read before the value measures existed
     del older["results"]["fp32"]["trials"][0]["value_noise"]
     out.write_text(json.dumps(older))

@@ -98,6 +98,10 @@ def private_uses(source: str) -> list[str]:
               and not (isinstance(node.value, ast.Name) and node.value.id == "self")
               and not (node.attr.startswith("_repr_") and node.attr.endswith("_"))):
             found.append(f".{node.attr}")
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "setattr"
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and node.args[1].value.startswith("_") and not node.args[1].value.startswith("__")):
+            found.append(f"setattr {node.args[1].value}")         # monkeypatch.setattr(m, "_x", …) by its string
     return found
 
 
@@ -109,7 +113,9 @@ def test_no_test_or_chapter_uses_a_private_name_of_the_package():
 
 def test_the_private_name_finder_finds_them():
     assert sorted(private_uses("from turboquant.attention import _repeat_kv\nc._fetch(1)\nx.__class__\n"
-                               "self._mine\nw._repr_png_()\nw._reprx")) == ["._fetch", "._reprx", "import _repeat_kv"]
+                               "self._mine\nw._repr_png_()\nw._reprx\nmonkeypatch.setattr(m, '_d', f)\n"
+                               "setattr(m, 'd', f)\nsetattr(m, '__x', f)")) == \
+        ["._fetch", "._reprx", "import _repeat_kv", "setattr _d"]
 
 
 def test_importing_and_plotting_change_no_global_state():

@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["ENV", "enable", "status", "find_mkl"]
+__all__ = ["ENV", "enable", "status", "find_mkl", "skip_reason"]
 
 ENV = "TURBOQUANT_FAST_BLAS"
 _state = {"loaded": None, "reason": "not attempted"}
@@ -46,14 +46,23 @@ def find_mkl() -> Optional[Path]:
     return None
 
 
+def skip_reason(platform: str, environ) -> Optional[str]:
+    """Why ``enable()`` does not try to load MKL on ``platform`` (``sys.platform``'s spelling)
+    with the environment ``environ``, or None when it tries."""
+    if not platform.startswith("linux"):
+        return f"not needed on {platform}"
+    if environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return f"disabled by {ENV}=0"
+    return None
+
+
 def enable() -> bool:
     """Load MKL globally if possible (see the module docstring); True when it is in use."""
     if _state["loaded"] is not None:
         return bool(_state["loaded"])
-    if not sys.platform.startswith("linux"):
-        return _done(None, f"not needed on {sys.platform}")
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return _done(None, f"disabled by {ENV}=0")
+    reason = skip_reason(sys.platform, os.environ)
+    if reason is not None:
+        return _done(None, reason)
     path = find_mkl()
     if path is None:
         return _done(None, "the mkl wheel is not installed")
