@@ -498,6 +498,29 @@ def test_the_profile_halves_hold_one_side_exactly(smol):
     assert CONFIGS["profile 4.25, exact keys"].bits(64) == (4.25 + 32) / 2
 
 
+def test_the_needle_reading_command_prints_the_recorded_value_measures(tmp_path, capsys):
+    """``turboquant needle --attention`` on the book's recorded reading measures nothing again and
+    prints, per row, the value noise in the reading layers with its ratio to what independent
+    per-token errors would give (none for fp32, whose values are exact)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from turboquant import cli
+    from turboquant.needles import reading_layers, value_noise
+    recorded = Path(__file__).resolve().parents[1] / "book" / "results" / "needle_reading_smollm2.json"
+    out = tmp_path / "reading.json"
+    shutil.copy(recorded, out)
+    assert cli.main(["needle", "--attention", "--contexts", "4096", "--depths", "0.1", "--values", "4",
+                     "--configs", "fp32", "KVQuant-style 4", "--out", str(out), "--quiet"]) == 0
+    assert out.read_bytes() == recorded.read_bytes()
+    lines = {line.split("  ")[0].split(" L")[0].strip(): line for line in capsys.readouterr().out.splitlines()}
+    record = json.loads(recorded.read_text())
+    measured, independent = (v[reading_layers(record)].mean() for v in value_noise(record, "KVQuant-style 4"))
+    assert f"value noise {measured:.3f} ({measured / independent:.1f}×)" in lines["KVQuant-style 4"]
+    assert "value noise 0.000  log p" in lines["fp32"]
+
+
 def test_a_needle_reading_resumes_and_names_the_reading_layers(smol, tmp_path, monkeypatch):
     """``needles.needle_reading`` writes its JSON after every configuration and keeps, on a
     second call, what the file holds; a profile row whose profile changed is read again.
