@@ -128,6 +128,7 @@ def test_the_best_published_method_within_a_budget_and_where_a_cache_stands_agai
     assert standing(run, "ours", "KVQ 4").startswith("ahead of KVQ 4 (-")
     assert standing(run, "ours", "KIVI 4").startswith("behind KIVI 4 (+")
     assert standing(run, "ours", "KVQ 3").startswith("indistinguishable from KVQ 3")
+    assert standing(run, "ours", "KIVI 4", numbers=False) == "behind KIVI 4"
     assert standing(run, "ours", None) == "none within the budget"
     del res["KVQ 3"]["per_window"]
     assert standing(run, "ours", "KVQ 3") == "KVQ 3: one seed, not ranked"

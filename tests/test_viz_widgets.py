@@ -227,6 +227,25 @@ def test_window_increases_plot_one_line_per_configuration_at_each_windows_increa
     plt.close(fig)
 
 
+def test_frontier_legend_words_and_points_that_share_an_abscissa_side_by_side():
+    rows = [("fp32", "reference", 32, 20.0, 0.0), ("a", "f", 4.125, 20.5, 2.5), ("b", "g", 4.125, 20.2, 1.0),
+            ("c", "g", 3.125, 23.0, 15.0), ("d", "h", 4.125, 20.1, 0.5)]
+    fig = plot_ppl_frontier(rows, labels={"g": "words for g"}, dodge=0.04)
+    ax = fig.axes[0]
+    handles, labels = ax.get_legend_handles_labels()
+    assert sorted(labels) == ["f", "h", "words for g"]
+    shared = [min(h.get_offsets()[:, 0].round(6), key=lambda x: abs(x - 4.125)) for h in handles]
+    assert shared == [4.085, 4.125, 4.165]                        # in the legend's order, 0.04 bits apart
+    assert 3.125 in handles[labels.index("words for g")].get_offsets()[:, 0]    # alone at 3.125: not moved
+    plt.close(fig)
+    fig = plot_ppl_frontier(rows)
+    assert sorted(fig.axes[0].get_legend_handles_labels()[1]) == ["f", "g", "h"]
+    assert {x for h in fig.axes[0].get_legend_handles_labels()[0] for x in h.get_offsets()[:, 0]} == {4.125, 3.125}
+    plt.close(fig)
+    with pytest.raises(ValueError, match="dodge must be ≥ 0 bits, got -1"):
+        plot_ppl_frontier(rows, dodge=-1)
+
+
 def test_a_family_keeps_its_colour_whichever_families_a_figure_shows():
     from turboquant.viz.realmodel import plot_ppl_frontier
     def colour_of(rows, family):
@@ -290,12 +309,13 @@ def test_a_table_prints_as_columns_and_displays_as_an_html_table():
 
 def test_every_suite_family_has_a_fixed_colour():
     """A family added to the suite must be appended to ``FAMILY_ORDER`` (else it would take a
-    place by its name's hash, and could share a colour and marker with a known family; in the
-    order, colours repeat only with another marker)."""
+    place by its name's hash, and could share a colour and marker with a known family); no two
+    families of the order share a colour."""
     from turboquant.suite import CONFIGS
-    from turboquant.viz.realmodel import FAMILY_ORDER, family_index
+    from turboquant.viz.realmodel import FAMILY_COLORS, FAMILY_ORDER, family_index
     families = {c.family for c in CONFIGS.values()} - {"reference"}
     assert families <= set(FAMILY_ORDER), sorted(families - set(FAMILY_ORDER))
+    assert len(set(FAMILY_COLORS[:len(FAMILY_ORDER)])) == len(FAMILY_ORDER) <= len(FAMILY_COLORS)
     assert len(set(FAMILY_ORDER)) == len(FAMILY_ORDER)
     assert [family_index(f) for f in FAMILY_ORDER] == list(range(len(FAMILY_ORDER)))
     assert family_index("a family of someone else's") >= len(FAMILY_ORDER)

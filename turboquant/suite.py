@@ -784,10 +784,11 @@ def best_published(result: dict, bits: float) -> Optional[str]:
     return None if best is None else best[1]
 
 
-def standing(result: dict, ours: str, theirs: Optional[str]) -> str:
+def standing(result: dict, ours: str, theirs: Optional[str], numbers: bool = True) -> str:
     """``ours`` against a published row in words, from their paired difference (``diff``):
     "ahead of" / "behind" / "indistinguishable from" ``theirs`` with the difference and its
-    interval (points of Δppl); rows recorded without per-window sums are not ranked."""
+    interval (points of Δppl; ``numbers=False``: the words alone); rows recorded without
+    per-window sums are not ranked."""
     if theirs is None:
         return "none within the budget"
     if any("per_window" not in result["results"][n] for n in (ours, theirs)):
@@ -795,7 +796,7 @@ def standing(result: dict, ours: str, theirs: Optional[str]) -> str:
     d = diff(result, ours, theirs)
     word = "indistinguishable from" if d["verdict"] == "indistinguishable" else (
         "ahead of" if d["value"] < 0 else "behind")
-    return f"{word} {theirs} ({d['value']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}])"
+    return f"{word} {theirs}" + (f" ({d['value']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}])" if numbers else "")
 
 
 def best_under(result: dict, bits: float, exclude=("reference", "recent window")) -> tuple:

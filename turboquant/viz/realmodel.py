@@ -7,7 +7,11 @@ from .cache import best_within
 from .style import COLORS, figure
 
 
-FAMILY_COLORS = COLORS + ["#e377c2", "#bcbd22", "#393b79", "#ad494a", "#637939", "#843c39"]
+# One colour per family of ``FAMILY_ORDER`` (no two share one), in that order; a family the
+# suite does not know repeats a colour, with another marker.
+FAMILY_COLORS = COLORS + ["#e377c2", "#bcbd22", "#393b79", "#ad494a", "#637939", "#843c39",
+                          "#6baed6", "#7b4173", "#8ca252", "#e7ba52", "#ce6dbd", "#00796b",
+                          "#3f51b5", "#252525", "#fd8d3c"]
 
 
 # The families of ``suite.CONFIGS`` in the order that fixes their colours and markers: sorted
@@ -33,7 +37,7 @@ def family_index(family: str) -> int:
 
 
 def plot_ppl_frontier(rows, title: str = "", budget: float | None = None, intervals: dict | None = None,
-                      goals: dict | None = None):
+                      goals: dict | None = None, labels: dict | None = None, dodge: float = 0.0):
     """Perplexity increase (%) against bits per coordinate (side information included);
     ``rows`` = [(name, family, bits, ppl, increase %)] as ``suite.frontier_rows`` returns.
     One colour and marker per family, the same in every figure (``family_index``). ``intervals`` maps a name to the
@@ -41,13 +45,26 @@ def plot_ppl_frontier(rows, title: str = "", budget: float | None = None, interv
     ``goals`` maps a budget in bits to the largest increase allowed within it
     (``budget.GOALS``): drawn as labelled steps. The y axis is linear within ±1 % and
     logarithmic beyond, so negative changes show. With ``budget``, a line at that many bits
-    and the best configuration within it circled and named in the title."""
+    and the best configuration within it circled and named in the title. ``labels`` maps a
+    family to the legend's words for it (default: the family's name). ``dodge`` > 0 draws the
+    points of families that share an abscissa side by side, ``dodge`` bits apart, in the
+    legend's order (the bits the axis reads are then those of the group's centre)."""
+    if dodge < 0:
+        raise ValueError(f"dodge must be ≥ 0 bits, got {dodge}")
     fig, ax = figure(width=7.0, height=5.0)
     fams = sorted({r[1] for r in rows if r[1] != "reference"}, key=family_index)
+    shift = {}
+    if dodge:
+        at: dict = {}
+        for fam in fams:
+            for x in sorted({round(r[2], 6) for r in rows if r[1] == fam}):
+                at.setdefault(x, []).append(fam)
+        shift = {(fam, x): (j - (len(group) - 1) / 2) * dodge for x, group in at.items()
+                 for j, fam in enumerate(group)}
     for fam in fams:
         i = family_index(fam)
         mine = [r for r in rows if r[1] == fam]
-        x = [r[2] for r in mine]
+        x = [r[2] + shift.get((fam, round(r[2], 6)), 0.0) for r in mine]
         y = [r[4] for r in mine]
         color = FAMILY_COLORS[i % len(FAMILY_COLORS)]
         marker = "os^Dv<>p"[i % 8]
@@ -55,7 +72,7 @@ def plot_ppl_frontier(rows, title: str = "", budget: float | None = None, interv
             lo = [max(r[4] - intervals[r[0]][0], 0.0) if r[0] in intervals else 0.0 for r in mine]
             hi = [max(intervals[r[0]][1] - r[4], 0.0) if r[0] in intervals else 0.0 for r in mine]
             ax.errorbar(x, y, yerr=[lo, hi], fmt="none", ecolor=color, elinewidth=1.0, capsize=2.5, alpha=0.8)
-        ax.scatter(x, y, s=30, color=color, label=fam, marker=marker, zorder=3)
+        ax.scatter(x, y, s=30, color=color, label=(labels or {}).get(fam, fam), marker=marker, zorder=3)
     ax.set_yscale("symlog", linthresh=1.0)
     ax.axhline(0, c="k", lw=0.6)
     for bits, limit in sorted((goals or {}).items()):
