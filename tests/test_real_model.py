@@ -498,6 +498,38 @@ def test_the_profile_halves_hold_one_side_exactly(smol):
     assert CONFIGS["profile 4.25, exact keys"].bits(64) == (4.25 + 32) / 2
 
 
+def test_a_mixed_cache_takes_each_half_from_its_own_configuration(smol):
+    """"profile 4.25 keys, KVQuant-style 4 values" and the reverse: each half's coders are
+    those its configuration fits (the same calibration statistics), keys before RoPE exactly
+    when the key half codes them there; halves from rows that are not calibrated, or that
+    keep different sink tokens, are refused by name."""
+    from dataclasses import replace
+
+    from turboquant import suite
+    from turboquant.prerope import PreRopeCache
+    from turboquant.suite import CONFIGS, Mixed
+    model, tok = smol
+    names = ["profile 4.25 keys, KVQuant-style 4 values", "KVQuant-style 4 keys, profile 4.25 values"]
+    stats = suite.calibration_statistics(model, tok, names, "wikipedia", windows=1, positions=2048)
+    pk, pv, _, pre = CONFIGS["profile 4.25"].coders(model)
+    qk, qv, _, _ = CONFIGS["KVQuant-style 4"].coders(model, stats)
+    for name, keys, values, before in ((names[0], pk, qv, pre), (names[1], qk, pv, False)):
+        cache = CONFIGS[name].make_cache(model, stats)()
+        assert [c.key_codec.config() for c in cache] == [k.config() for k in keys]
+        assert [c.value_codec.config() for c in cache] == [v.config() for v in values]
+        assert isinstance(cache[0], PreRopeCache) == before
+        assert CONFIGS[name].bits(64) == (CONFIGS["profile 4.25"].bits(64) + CONFIGS["KVQuant-style 4"].bits(64)) / 2
+    assert pre                                           # the shipped profile codes keys before RoPE at 4.25
+    with pytest.raises(ValueError, match=r"not \['fp32'\]"):
+        Mixed("fp32", "profile 4.25").make_cache(model, stats)
+    CONFIGS["two sinks"] = replace(CONFIGS["KVQuant-style 4"], sink_tokens=2)
+    try:
+        with pytest.raises(ValueError, match="'two sinks' keeps 2 exact sink tokens and 'profile 4.25' 1"):
+            Mixed("two sinks", "profile 4.25").make_cache(model, stats)
+    finally:
+        del CONFIGS["two sinks"]
+
+
 def test_the_needle_reading_command_prints_the_recorded_value_measures(tmp_path, capsys):
     """``turboquant needle --attention`` on the book's recorded reading measures nothing again and
     prints, per row, the value noise in the reading layers with its ratio to what independent

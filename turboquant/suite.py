@@ -59,7 +59,7 @@ def _legacy_config(family, key=None, value=None, fp_window=0, sink_tokens=0, mlx
 class Config(metaclass=_LegacyConstructor):
     """A named cache configuration of the comparison: how to build its cache for a model
     (``make_cache``) and what it costs (``bits``). One subclass per kind: ``Reference``,
-    ``MlxQuantized``, ``Kivi``, ``Codecs``, ``Calibrated``, ``Profile``."""
+    ``MlxQuantized``, ``Kivi``, ``Codecs``, ``Calibrated``, ``Profile``, ``Mixed``."""
 
     family: str
     note: str
@@ -222,12 +222,17 @@ class Calibrated(Config):
     fp_window: int = 0
     needs_calibration = True
 
-    def make_cache(self, model, stats=None):
+    def coders(self, model, stats=None) -> tuple:
+        """(key coders, value coders, exact sink tokens, keys coded before RoPE), one coder per
+        layer, as ``make_cache`` builds its caches from them."""
         from .calibration import fit_layers
         if stats is None:
             raise ValueError("a calibrated configuration needs calibration statistics")
         keys, values = fit_layers(stats, **self.fit)
-        before_rope = bool(self.fit.get("pre_rope"))    # keys coded before RoPE, as they were fitted
+        return keys, values, self.sink_tokens, bool(self.fit.get("pre_rope"))   # keys as they were fitted
+
+    def make_cache(self, model, stats=None):
+        keys, values, _, before_rope = self.coders(model, stats)
         make = lambda: make_prompt_cache(model, key_codec=keys, value_codec=values, fp_window=self.fp_window,
                                          sink_tokens=self.sink_tokens, warn_rotating=False, pre_rope=before_rope)
         if before_rope:
@@ -266,25 +271,81 @@ class Profile(Config):
         make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False, profile=True)   # fit once, untimed
         return lambda: make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False, profile=True)
 
+    def coders(self, model, stats=None) -> tuple:
+        """(key coders, value coders, exact sink tokens, keys coded before RoPE) of the model's
+        profile at ``profile_bits``, one coder per layer (``Calibrated.coders``' shape)."""
+        from .calibration.profiles import resolve_profile
+        from .calibration.store import profile_codecs
+        keys, values, sinks, entry = profile_codecs(model, resolve_profile(model, True), self.profile_bits)
+        return keys, values, sinks, bool(entry["choice"].get("pre_rope", False))
+
     def _half_cache(self, model):
         """The profile's coders for one half, the other exact (``Identity``): which half of the
         profile's error a measurement comes from (Chapter 10, "Where the early needle is lost")."""
-        from .calibration.profiles import resolve_profile
-        from .calibration.store import profile_codecs
         from .codecs.identity import Identity
         if self.exact not in ("keys", "values"):
             raise ValueError(f"exact must be 'keys' or 'values', got {self.exact!r}")
-        keys, values, sinks, entry = profile_codecs(model, resolve_profile(model, True), self.profile_bits)
+        keys, values, sinks, before_rope = self.coders(model)
         exact = [Identity(_dims(model)) for _ in keys]
         if self.exact == "keys":
             keys, before_rope = exact, False
         else:
-            values, before_rope = exact, bool(entry["choice"].get("pre_rope", False))
+            values = exact
         return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values, sink_tokens=sinks,
                                          warn_rotating=False, pre_rope=before_rope)
 
     def bits(self, dim):
         return (self.profile_bits + 32) / 2 if self.exact else self.profile_bits
+
+
+@dataclass(frozen=True)
+class Mixed(Config):
+    """A diagnosis: the key coders of the configuration named ``keys`` with the value coders
+    of the one named ``values`` (each a ``Calibrated`` or ``Profile`` row of ``CONFIGS``), so
+    that a difference between two caches can be traced to one half (Chapter 10, "Where the
+    early needle is lost"). The keys decide whether they are coded before RoPE; the two must
+    keep the same exact sink tokens."""
+
+    keys: str
+    values: str
+    family: str = "one half from each of two caches (diagnosis)"
+    note: str = ""
+    diagnosis = True
+
+    def _parts(self) -> tuple:
+        parts = tuple(CONFIGS.get(n) for n in (self.keys, self.values))
+        bad = [n for n, c in zip((self.keys, self.values), parts) if not isinstance(c, (Calibrated, Profile))
+               or getattr(c, "fp_window", 0) or getattr(c, "exact", "")]
+        if bad:
+            raise ValueError(f"a mixed cache takes its halves from calibrated or profile rows without exact "
+                             f"windows or halves; not {bad}")
+        return parts
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(c.needs_calibration for c in self._parts())
+
+    @property
+    def needs_profile(self) -> bool:
+        return any(c.needs_profile for c in self._parts())
+
+    @property
+    def fit(self) -> dict:
+        """What calibration statistics the calibrated halves need (``calibration_statistics``)."""
+        return {k: True for c in self._parts() for k in ("pre_rope", "allocate") if getattr(c, "fit", {}).get(k)}
+
+    def make_cache(self, model, stats=None):
+        k, v = (c.coders(model, stats) for c in self._parts())
+        if k[2] != v[2]:
+            raise ValueError(f"{self.keys!r} keeps {k[2]} exact sink tokens and {self.values!r} {v[2]}: "
+                             "a mixed cache needs the same")
+        return lambda: make_prompt_cache(model, key_codec=k[0], value_codec=v[1], sink_tokens=k[2],
+                                         warn_rotating=False, pre_rope=k[3])
+
+    def bits(self, dim):
+        """The mean of the two rows' bits: exact when each row spends the same on keys and
+        values (the rows ``CONFIGS`` mixes do)."""
+        return sum(c.bits(dim) for c in self._parts()) / 2
 
 
 def _mse(family, key_bits, value_bits=None, center_keys=False, center_values=False, **kw) -> Config:
@@ -395,6 +456,12 @@ CONFIGS: dict[str, Config] = {
         4.25, family="profile, one half exact (diagnosis)", exact=half,
         note=f"the shipped profile's coders at 4.25 bits, the {half} held exactly (float32)")
        for half in ("keys", "values")},
+    "profile 4.25 keys, KVQuant-style 4 values": Mixed(
+        "profile 4.25", "KVQuant-style 4", note="the profile's key coders at 4.25 bits with KVQuant-style 4's "
+                                              "value coders"),
+    "KVQuant-style 4 keys, profile 4.25 values": Mixed(
+        "KVQuant-style 4", "profile 4.25", note="KVQuant-style 4's key coders with the profile's value coders "
+                                              "at 4.25 bits"),
 }
 
 # ``turboquant eval --configs all``: every configuration a user could choose (the diagnosis rows,

@@ -11,7 +11,7 @@ from .style import COLORS, figure
 # suite does not know repeats a colour, with another marker.
 FAMILY_COLORS = COLORS + ["#e377c2", "#bcbd22", "#393b79", "#ad494a", "#637939", "#843c39",
                           "#6baed6", "#7b4173", "#8ca252", "#e7ba52", "#ce6dbd", "#00796b",
-                          "#3f51b5", "#252525", "#fd8d3c"]
+                          "#3f51b5", "#252525", "#fd8d3c", "#9e0142"]
 
 
 # The families of ``suite.CONFIGS`` in the order that fixes their colours and markers: sorted
@@ -23,7 +23,7 @@ FAMILY_ORDER = (
     "calibrated transform coding (levers)", "centered", "mlx-lm affine", "outlier split", "per-vector uniform",
     "profile (make_prompt_cache(bits=…, profile=True))", "recent window", "rotated affine", "split channels",
     "budget, keys before RoPE (lever)", "budget, key mean before RoPE (lever)", "KVQuant-style, keys before RoPE",
-    "profile, one half exact (diagnosis)",
+    "profile, one half exact (diagnosis)", "one half from each of two caches (diagnosis)",
 )
 
 
