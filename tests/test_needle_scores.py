@@ -38,3 +38,22 @@ def test_the_code_is_read_when_its_probability_given_the_start_is_above_one_half
         _trial(0.5, 1.0, -0.01, "3"), _trial(0.5, 1.0, -3.0, "4")]}}}
     (row,) = needle_scores(record)
     assert (row["starts"], row["reads"], row["n"]) == (2, 2, 4)
+
+
+def test_score_lift_weighs_heads_by_the_attention_the_reference_gives_the_code():
+    """needles.score_lift: per layer, the codes' mean lift, heads weighted by the reference's
+    attention on the code (a head that does not read it does not count); a row read before
+    the lift was recorded is refused with the fix."""
+    import numpy as np
+
+    from turboquant.needles import score_lift
+    record = {"results": {
+        "fp32": {"trials": [{"mass": [[0.6, 0.0], [0.1, 0.3]]}, {"mass": [[0.2, 0.0], [0.1, 0.1]]}]},
+        "coded": {"trials": [{"score_lift": [[1.0, 9.0], [2.0, 4.0]]}, {"score_lift": [[3.0, -9.0], [0.0, 0.0]]}]},
+        "old": {"trials": [{"mass": [[0.1, 0.1]]}]}}}
+    # layer 0: only head 0 reads the code, lift (1 + 3)/2; layer 1: weights 0.1 and 0.2 on lifts 1 and 2
+    assert np.allclose(score_lift(record, "coded"), [2.0, (0.1 * 1 + 0.2 * 2) / 0.3])
+    with pytest.raises(ValueError, match="read before the score lift was recorded"):
+        score_lift(record, "old")
+    with pytest.raises(ValueError, match="'nope' is not a row"):
+        score_lift(record, "nope")

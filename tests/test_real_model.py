@@ -407,6 +407,8 @@ def test_needle_attention_reads_what_attention_reads(smol):
                              lambda: make_prompt_cache(model, key_codec=Identity, value_codec=Identity), chunk=64)
     assert exact["noise"] == [0.0] * len(fp["noise"]) and np.allclose(exact["mass"], fp["mass"], atol=1e-4)
     assert exact["value_noise"] == [0.0] * len(fp["noise"])
+    assert np.array(fp["score_lift"]).tolist() == np.array(exact["score_lift"]).tolist() == \
+        np.zeros((len(fp["noise"]), len(fp["mass"][0]))).tolist()             # exact keys move no score
     # through a wrapper (keys stored before RoPE and turned back): the exact keys it is given are
     # what it returns, so an exact coder adds no noise there either
     wrapped = needle_attention(model, tok, hay, 320, 0.5, "4721", lambda: make_prompt_cache(
@@ -426,6 +428,27 @@ def test_needle_attention_reads_what_attention_reads(smol):
         model, key_codec=Identity, value_codec=v4, sink_tokens=1), chunk=64)
     assert keys_only["value_noise"] == [0.0] * len(fp["noise"]) and min(keys_only["noise"]) > 0
     assert values_only["noise"] == [0.0] * len(fp["noise"]) and min(values_only["value_noise"]) > 0
+    assert not np.any(values_only["score_lift"]) and np.all(np.any(keys_only["score_lift"], axis=1))
+    # the score lift, recomputed in the first layer from the exact run's queries and keys and the
+    # keys a keys-only cache gives back: the code's mean score error minus the other tokens'
+    # (the needle's other tokens and the answer's own left out)
+    from turboquant.evaluation.needle import NEEDLE
+    from turboquant.evaluation.prefilling import next_logits
+    back = {}
+    cache = make_prompt_cache(model, key_codec=k4, value_codec=Identity, sink_tokens=1)
+    inner = cache[0].update_and_fetch
+    cache[0].update_and_fetch = lambda keys, values: back.__setitem__(0, inner(keys, values)) or back[0]
+    next_logits(model, mx.array(ids)[None], cache, 64)
+    model(mx.array(answer[:-1])[None], cache=cache)
+    needle = encode_text(tok, " " + NEEDLE.format(value="4721") + " ")
+    code = keys_only["code_tokens"]
+    at = code[0] - next(i for i in range(len(needle)) if needle[i:i + len(code)] == answer[1:])
+    q, s = np.array(qkv[0]["q"][0]), qkv[0]["scale"]
+    k, kh = (np.repeat(np.array(x[0]), q.shape[0] // x.shape[1], axis=0) for x in (qkv[0]["k"], back[0][0]))
+    err = ((q[:, -L:] @ (kh - k).transpose(0, 2, 1)) * s)                      # (Hq, L, T)
+    others = [i for i in range(k.shape[1] - L) if not at <= i < at + len(needle)]
+    lift = (err[:, :, code].mean(-1) - err[:, :, others].mean(-1)).mean(-1)
+    assert np.allclose(keys_only["score_lift"][0], lift, atol=1e-4)
     # the value measures, recomputed in the first layer (whose inputs no coding has touched yet)
     # from the exact run's queries and keys (exact keys: the same weights) and the values the
     # cache was given and gave back, captured from its update_and_fetch
@@ -437,7 +460,6 @@ def test_needle_attention_reads_what_attention_reads(smol):
             held[n] = (values if n not in held else mx.concatenate([held[n][0], values], axis=2), out[1])
             return out
         c.update_and_fetch = keep
-    from turboquant.evaluation.prefilling import next_logits
     next_logits(model, mx.array(ids)[None], cache, 64)
     model(mx.array(answer[:-1])[None], cache=cache)
     for n in (0,):

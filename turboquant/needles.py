@@ -16,7 +16,8 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-__all__ = ["needle_grid", "needle_table", "needle_scores", "reads_code", "needle_reading", "reading_layers", "reading_mass", "value_noise"]
+__all__ = ["needle_grid", "needle_table", "needle_scores", "reads_code", "needle_reading", "reading_layers", "reading_mass",
+           "value_noise", "score_lift"]
 
 HAYSTACK = "lee"      # the distractor text: prose no profile is calibrated on
 
@@ -288,6 +289,25 @@ def value_noise(record: dict, name: str):
         raise ValueError(f"{name!r} was read before the value measures were recorded; read it again "
                          "(turboquant needle --attention re-reads such rows)")
     return tuple(np.mean([t[k] for t in trials], axis=0) for k in ("value_noise", "value_incoherent"))
+
+
+def score_lift(record: dict, name: str, reference: str = "fp32"):
+    """Per layer, how far ``name``'s key coding raises the code's scores against the other
+    tokens in a needle reading (``needle_attention``'s "score_lift", in the softmax's logit
+    units), averaged over the recorded codes and over query heads weighted by the attention
+    ``reference``'s answer gives the code in each head, so that the heads that read the code
+    count: a numpy array, one value per layer."""
+    import numpy as np
+    for n in (name, reference):
+        if n not in record["results"]:
+            raise ValueError(f"{n!r} is not a row of this reading ({sorted(record['results'])})")
+    trials = record["results"][name]["trials"]
+    if any("score_lift" not in t for t in trials):
+        raise ValueError(f"{name!r} was read before the score lift was recorded; read it again "
+                         "(turboquant needle --attention re-reads such rows)")
+    lift = np.mean([t["score_lift"] for t in trials], axis=0)                       # (layers, heads)
+    weight = np.mean([t["mass"] for t in record["results"][reference]["trials"]], axis=0)
+    return (lift * weight).sum(-1) / np.maximum(weight.sum(-1), 1e-30)
 
 
 def reading_layers(record: dict, reference: str = "fp32", least: float = 0.1) -> list[int]:

@@ -15,7 +15,8 @@ __all__ = ["needle_prompt", "needle_accuracy", "needle_attention", "answer_logpr
            "NEEDLE_VALUES", "READING_FIELDS"]
 
 # what ``needle_attention`` records per trial: a reading made before one of these existed is read again
-READING_FIELDS = ("mass", "noise", "noise_code", "value_noise", "value_incoherent", "code_logp", "code_tokens")
+READING_FIELDS = ("mass", "noise", "noise_code", "score_lift", "value_noise", "value_incoherent", "code_logp",
+                  "code_tokens")
 
 
 NEEDLE = "The secret code of the blue door is {value}."
@@ -149,6 +150,9 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
       returns for them; q: the answer's queries), averaged over heads and rows; 0 for exact
       caches;
     - ``noise_code[ℓ]``: the mean absolute score error on the code's tokens;
+    - ``score_lift[ℓ][h]``: the mean score error on the code's tokens minus its mean over the
+      other tokens, averaged over the rows: how far the key coding moves the code's scores
+      against the rest (positive: the code stands out more than in fp32); 0 for exact keys;
     - ``value_noise[ℓ]``: what the cache's value coding changes in those rows' attention
       output, ‖Σᵢ wᵢ(v̂ᵢ − vᵢ)‖ / ‖Σᵢ wᵢvᵢ‖ (w: the rows' attention weights in this run),
       averaged over heads and rows; 0 for exact values;
@@ -215,11 +219,13 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
             dv = as_q(values) - v                                   # what the cache's coding changed
             out = mx.linalg.norm(w @ v, axis=-1)                    # (Hq, L)
             ratio = lambda x: mx.where(out > 0, x / mx.maximum(out, 1e-30), mx.where(x > 0, mx.inf, 0.0))
+            on_code = err[:, :, code_pos[0]:code_pos[-1] + 1]
             record[n] = (w[:, :, code_pos[0]:code_pos[-1] + 1].sum(-1).mean(-1),
                          mx.take(err, others, axis=2).std(axis=-1).mean(),
-                         mx.abs(err[:, :, code_pos[0]:code_pos[-1] + 1]).mean(),
+                         mx.abs(on_code).mean(),
                          ratio(mx.linalg.norm(w @ dv, axis=-1)).mean(),
-                         ratio(mx.sqrt((w * w) @ mx.sum(dv * dv, axis=-1)[..., None])[..., 0]).mean())
+                         ratio(mx.sqrt((w * w) @ mx.sum(dv * dv, axis=-1)[..., None])[..., 0]).mean(),
+                         (on_code.mean(-1) - mx.take(err, others, axis=2).mean(-1)).mean(-1))   # (Hq,)
 
     def keeping(c, n):
         inner = c.update_and_fetch
@@ -252,6 +258,7 @@ def needle_attention(model, tokenizer, haystack_ids: Sequence[int], context: int
     return {"mass": [record[n][0].tolist() for n in range(len(cache))],
             "noise": [record[n][1].item() for n in range(len(cache))],
             "noise_code": [record[n][2].item() for n in range(len(cache))],
+            "score_lift": [record[n][5].tolist() for n in range(len(cache))],
             "value_noise": [record[n][3].item() for n in range(len(cache))],
             "value_incoherent": [record[n][4].item() for n in range(len(cache))],
             "code_logp": sum(rest[0, j - 1, answer[j]].item() for j in range(1, len(answer))),
