@@ -81,7 +81,8 @@ def test_configs_all_leaves_the_diagnoses_out():
     from turboquant.suite import ALL_CONFIGS, CONFIGS
     diagnoses = {n for n, c in CONFIGS.items() if c.diagnosis}
     assert diagnoses == {"profile 4.25, exact keys", "profile 4.25, exact values",
-                         "profile 4.25 keys, KVQuant-style 4 values", "KVQuant-style 4 keys, profile 4.25 values"}
+                         "profile 4.25 keys, KVQuant-style 4 values", "KVQuant-style 4 keys, profile 4.25 values",
+                         "KVQuant-style 4, exact keys", "KVQuant-style 4, exact values"}
     assert set(ALL_CONFIGS) == set(CONFIGS) - diagnoses
 
 

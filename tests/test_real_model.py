@@ -542,8 +542,18 @@ def test_a_mixed_cache_takes_each_half_from_its_own_configuration(smol):
         assert isinstance(cache[0], PreRopeCache) == before
         assert CONFIGS[name].bits(64) == (CONFIGS["profile 4.25"].bits(64) + CONFIGS["KVQuant-style 4"].bits(64)) / 2
     assert pre                                           # the shipped profile codes keys before RoPE at 4.25
+    from turboquant.codecs import Identity
+    for half, cache in (("keys", CONFIGS["KVQuant-style 4, exact keys"].make_cache(model, stats)()),
+                        ("values", CONFIGS["KVQuant-style 4, exact values"].make_cache(model, stats)())):
+        exact, coded, theirs = (("key_codec", "value_codec", qv) if half == "keys" else ("value_codec", "key_codec", qk))
+        assert all(isinstance(getattr(c, exact), Identity) for c in cache)
+        assert [getattr(c, coded).config() for c in cache] == [x.config() for x in theirs]
+        assert not isinstance(cache[0], PreRopeCache) and cache[0].sink_tokens == 1
+    assert CONFIGS["KVQuant-style 4, exact keys"].bits(64) == (32 + CONFIGS["KVQuant-style 4"].bits(64)) / 2
     with pytest.raises(ValueError, match=r"not \['fp32'\]"):
         Mixed("fp32", "profile 4.25").make_cache(model, stats)
+    with pytest.raises(ValueError, match=r"one half 'exact'; not \['exact', 'exact'\]"):
+        Mixed("exact", "exact").make_cache(model, stats)
     CONFIGS["two sinks"] = replace(CONFIGS["KVQuant-style 4"], sink_tokens=2)
     try:
         with pytest.raises(ValueError, match="'two sinks' keeps 2 exact sink tokens and 'profile 4.25' 1"):

@@ -301,10 +301,10 @@ class Profile(Config):
 @dataclass(frozen=True)
 class Mixed(Config):
     """A diagnosis: the key coders of the configuration named ``keys`` with the value coders
-    of the one named ``values`` (each a ``Calibrated`` or ``Profile`` row of ``CONFIGS``), so
-    that a difference between two caches can be traced to one half (Chapter 10, "Where the
-    early needle is lost"). The keys decide whether they are coded before RoPE; the two must
-    keep the same exact sink tokens."""
+    of the one named ``values`` (each a ``Calibrated`` or ``Profile`` row of ``CONFIGS``, or
+    "exact": that half in float32, ``Identity``), so that a difference between two caches can
+    be traced to one half (Chapter 10, "Where the early needle is lost"). The keys decide
+    whether they are coded before RoPE; two coded halves must keep the same exact sink tokens."""
 
     keys: str
     values: str
@@ -313,39 +313,48 @@ class Mixed(Config):
     diagnosis = True
 
     def _parts(self) -> tuple:
-        parts = tuple(CONFIGS.get(n) for n in (self.keys, self.values))
-        bad = [n for n, c in zip((self.keys, self.values), parts) if not isinstance(c, (Calibrated, Profile))
-               or getattr(c, "fp_window", 0) or getattr(c, "exact", "")]
-        if bad:
+        """The rows the two halves come from (None for an exact half)."""
+        parts = tuple(None if n == "exact" else CONFIGS.get(n) for n in (self.keys, self.values))
+        bad = [n for n, c in zip((self.keys, self.values), parts) if n != "exact" and (
+            not isinstance(c, (Calibrated, Profile)) or getattr(c, "fp_window", 0) or getattr(c, "exact", ""))]
+        if bad or parts == (None, None):
             raise ValueError(f"a mixed cache takes its halves from calibrated or profile rows without exact "
-                             f"windows or halves; not {bad}")
+                             f"windows or halves, or one half 'exact'; not {bad or ['exact', 'exact']}")
         return parts
+
+    def _coded(self) -> list:
+        return [c for c in self._parts() if c is not None]
 
     @property
     def needs_calibration(self) -> bool:
-        return any(c.needs_calibration for c in self._parts())
+        return any(c.needs_calibration for c in self._coded())
 
     @property
     def needs_profile(self) -> bool:
-        return any(c.needs_profile for c in self._parts())
+        return any(c.needs_profile for c in self._coded())
 
     @property
     def fit(self) -> dict:
         """What calibration statistics the calibrated halves need (``calibration_statistics``)."""
-        return {k: True for c in self._parts() for k in ("pre_rope", "allocate") if getattr(c, "fit", {}).get(k)}
+        return {k: True for c in self._coded() for k in ("pre_rope", "allocate") if getattr(c, "fit", {}).get(k)}
 
     def make_cache(self, model, stats=None):
-        k, v = (c.coders(model, stats) for c in self._parts())
-        if k[2] != v[2]:
+        from .codecs.identity import Identity
+        k, v = (None if c is None else c.coders(model, stats) for c in self._parts())
+        if k is not None and v is not None and k[2] != v[2]:
             raise ValueError(f"{self.keys!r} keeps {k[2]} exact sink tokens and {self.values!r} {v[2]}: "
                              "a mixed cache needs the same")
-        return lambda: make_prompt_cache(model, key_codec=k[0], value_codec=v[1], sink_tokens=k[2],
-                                         warn_rotating=False, pre_rope=k[3])
+        exact = [Identity(_dims(model)) for _ in model.layers]
+        keys, before_rope = (exact, False) if k is None else (k[0], k[3])
+        values = exact if v is None else v[1]
+        sinks = (k or v)[2]
+        return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values, sink_tokens=sinks,
+                                         warn_rotating=False, pre_rope=before_rope)
 
     def bits(self, dim):
-        """The mean of the two rows' bits: exact when each row spends the same on keys and
-        values (the rows ``CONFIGS`` mixes do)."""
-        return sum(c.bits(dim) for c in self._parts()) / 2
+        """The mean of the two rows' bits (32 for an exact half): exact when each row spends
+        the same on keys and values (the rows ``CONFIGS`` mixes do)."""
+        return sum(32.0 if c is None else c.bits(dim) for c in self._parts()) / 2
 
 
 def _mse(family, key_bits, value_bits=None, center_keys=False, center_values=False, **kw) -> Config:
@@ -462,6 +471,9 @@ CONFIGS: dict[str, Config] = {
     "KVQuant-style 4 keys, profile 4.25 values": Mixed(
         "KVQuant-style 4", "profile 4.25", note="KVQuant-style 4's key coders with the profile's value coders "
                                               "at 4.25 bits"),
+    **{f"KVQuant-style 4, exact {half}": Mixed(
+        *(("exact", "KVQuant-style 4") if half == "keys" else ("KVQuant-style 4", "exact")),
+        note=f"KVQuant-style 4's coders with the {half} held exactly (float32)") for half in ("keys", "values")},
 }
 
 # ``turboquant eval --configs all``: every configuration a user could choose (the diagnosis rows,
