@@ -258,16 +258,9 @@ class Profile(Config):
     profile_bits: float
     family: str = "profile (make_prompt_cache(bits=…, profile=True))"
     note: str = "the model's shipped profile: the configuration calibrate chose"
-    exact: str = ""                 # "keys" or "values": that half held exactly (float32), a diagnosis
     needs_profile = True
 
-    @property
-    def diagnosis(self) -> bool:
-        return bool(self.exact)
-
     def make_cache(self, model, stats=None):
-        if self.exact:
-            return self._half_cache(model)
         make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False, profile=True)   # fit once, untimed
         return lambda: make_prompt_cache(model, bits=self.profile_bits, warn_rotating=False, profile=True)
 
@@ -279,23 +272,8 @@ class Profile(Config):
         keys, values, sinks, entry = profile_codecs(model, resolve_profile(model, True), self.profile_bits)
         return keys, values, sinks, bool(entry["choice"].get("pre_rope", False))
 
-    def _half_cache(self, model):
-        """The profile's coders for one half, the other exact (``Identity``): which half of the
-        profile's error a measurement comes from (Chapter 10, "Where the early needle is lost")."""
-        from .codecs.identity import Identity
-        if self.exact not in ("keys", "values"):
-            raise ValueError(f"exact must be 'keys' or 'values', got {self.exact!r}")
-        keys, values, sinks, before_rope = self.coders(model)
-        exact = [Identity(_dims(model)) for _ in keys]
-        if self.exact == "keys":
-            keys, before_rope = exact, False
-        else:
-            values = exact
-        return lambda: make_prompt_cache(model, key_codec=keys, value_codec=values, sink_tokens=sinks,
-                                         warn_rotating=False, pre_rope=before_rope)
-
     def bits(self, dim):
-        return (self.profile_bits + 32) / 2 if self.exact else self.profile_bits
+        return self.profile_bits
 
 
 @dataclass(frozen=True)
@@ -316,10 +294,10 @@ class Mixed(Config):
         """The rows the two halves come from (None for an exact half)."""
         parts = tuple(None if n == "exact" else CONFIGS.get(n) for n in (self.keys, self.values))
         bad = [n for n, c in zip((self.keys, self.values), parts) if n != "exact" and (
-            not isinstance(c, (Calibrated, Profile)) or getattr(c, "fp_window", 0) or getattr(c, "exact", ""))]
+            not isinstance(c, (Calibrated, Profile)) or getattr(c, "fp_window", 0))]
         if bad or parts == (None, None):
             raise ValueError(f"a mixed cache takes its halves from calibrated or profile rows without exact "
-                             f"windows or halves, or one half 'exact'; not {bad or ['exact', 'exact']}")
+                             f"windows, or one half 'exact'; not {bad or ['exact', 'exact']}")
         return parts
 
     def _coded(self) -> list:
@@ -461,8 +439,9 @@ CONFIGS: dict[str, Config] = {
         fp_window=16, note="calibrated b − 0.5 plus the 16 newest tokens exact (float16): 0.5 bits "
                            "at a 512-token window") for b in (4.25, 3.25, 2.25)},
     **{f"profile {b}": Profile(b) for b in (4.25, 3.25, 2.25)},
-    **{f"profile 4.25, exact {half}": Profile(
-        4.25, family="profile, one half exact (diagnosis)", exact=half,
+    **{f"profile 4.25, exact {half}": Mixed(
+        *(("exact", "profile 4.25") if half == "keys" else ("profile 4.25", "exact")),
+        family="profile, one half exact (diagnosis)",
         note=f"the shipped profile's coders at 4.25 bits, the {half} held exactly (float32)")
        for half in ("keys", "values")},
     "profile 4.25 keys, KVQuant-style 4 values": Mixed(
