@@ -2,6 +2,7 @@
 configuration ``make test`` re-runs the notebooks under, and the platform branches
 (macOS, arm64) reasoned and checked by simulation: kernel build flags, fast BLAS, Chromium."""
 import os
+import re
 import subprocess
 import sys
 
@@ -132,3 +133,29 @@ def test_below_prints_the_guarantee_not_the_last_ulp():
     assert below(3e-6, 1e-5) == "< 1e-05" and below(2e-5, 1e-5) == "2e-05"
     assert below(1.5) == "1.5" and below(-1e-9) == "< 1e-06"
     assert below(float("nan")) == "nan"                          # never a pass for NaN
+
+
+def test_a_recorded_run_keeps_its_arithmetic_and_a_refused_update_names_what_changed():
+    """``machine.arithmetic`` (CPU, SIMD level, BLAS with its version, MKL's cap) is what an
+    eval setup records; when an update's fp32 rows differ from the recorded ones, the refusal
+    names each difference, or says that the recorded run did not keep its arithmetic."""
+    import copy
+
+    from turboquant.machine import arithmetic, simd_level
+    from turboquant.suite import update_run
+    here = arithmetic()
+    assert set(here) == {"cpu", "simd", "blas", "mkl_instructions"} and here["simd"] == simd_level()
+    setup = {"model": "m", "corpus": "lee", "tokens": 512, "window": 256, "seeds": 1, "mlx": "0.1"}
+    row = lambda nll: {"ppl": 2.0, "per_window": {"nll": nll, "n": [255, 255]}}
+    recorded = {"setup": {**setup, "arithmetic": {**here, "blas": "libmkl_rt.so.2 2024.0.0"}},
+                "results": {"fp32": row([1.0, 2.0])}}
+    new = {"setup": {**setup, "arithmetic": here}, "results": {"fp32": row([1.0, 2.0000001]), "x": row([1.5, 2.5])}}
+    with pytest.raises(ValueError, match=r"re-record the whole run \(blas: 'libmkl_rt.so.2 2024.0.0' there, "
+                                         + re.escape(repr(here["blas"])) + " here\\)"):
+        update_run(recorded, new)
+    old = copy.deepcopy(recorded)
+    del old["setup"]["arithmetic"]
+    with pytest.raises(ValueError, match="does not say which CPU and BLAS computed it"):
+        update_run(old, new)
+    recorded["results"]["fp32"] = row([1.0, 2.0000001])                  # the same sums: paired
+    assert set(update_run(recorded, new)["results"]) == {"fp32", "x"}

@@ -562,16 +562,49 @@ def test_a_mixed_cache_takes_each_half_from_its_own_configuration(smol):
         del CONFIGS["two sinks"]
 
 
+def test_the_key_probes_spend_kvquant_style_4s_bits_and_change_one_thing_each(smol):
+    """``suite.KEY_PROBES``: each "…, exact values" row codes its keys with the coder it names
+    (Identity values), 280 bits per 64-coordinate key like KVQuant-style 4's; the channel
+    probe with water-filling differs from KVQuant-style 4 only in its allocation, the KLT
+    probes only in theirs, and the pre-RoPE probe is KVQuant-style 4's coder before RoPE.
+    A half given as an unnamed configuration that is not calibrated is refused."""
+    from turboquant import suite
+    from turboquant.codecs import Identity
+    from turboquant.prerope import PreRopeCache
+    from turboquant.suite import CONFIGS, KEY_PROBES, Mixed
+    model, tok = smol
+    names = [f"{name}, exact values" for name, _, _ in KEY_PROBES]
+    stats = suite.calibration_statistics(model, tok, names + ["KVQuant-style 4"], "wikipedia", windows=1,
+                                         positions=2048)
+    caches = {n: CONFIGS[n].make_cache(model, stats)() for n in names + ["KVQuant-style 4, exact values"]}
+    for name, cache in caches.items():
+        assert all(isinstance(c.value_codec, Identity) for c in cache)
+        assert isinstance(cache[0], PreRopeCache) == name.startswith("pre-RoPE")
+        assert all(c.key_codec.bits_per_coordinate * 64 == 280 and c.key_codec.outliers == 1 for c in cache)
+    keys = lambda n: [c.key_codec for c in caches[n]]
+    alloc = lambda k: list(k.alloc)
+    # equal bits: every axis 4; by variance: not all equal, the same 256 in all
+    for n in ("KVQuant-style 4, exact values", "pre-RoPE KVQuant-style 4, exact values", "KLT, equal bits, exact values"):
+        assert all(alloc(k) == [4] * 64 for k in keys(n)), n
+    for n in ("channels, water-filling, exact values", "KLT, water-filling, exact values"):
+        assert all(sum(alloc(k)) == 256 and len(set(alloc(k))) > 1 for k in keys(n)), n
+    kinds = lambda ns: {k.kind for n in ns for k in keys(n)}
+    assert kinds(names[:2] + ["KVQuant-style 4, exact values"]) == {"channels"} and kinds(names[2:]) == {"klt+metric"}
+    with pytest.raises(ValueError, match="calibrated or profile rows"):
+        Mixed(CONFIGS["TQ-mse 4"], "exact").make_cache(model, stats)
+
+
 def test_the_needle_reading_command_prints_the_recorded_value_measures(tmp_path, capsys):
     """``turboquant needle --attention`` on the book's recorded reading measures nothing again and
     prints, per row, the value noise in the reading layers with its ratio to what independent
-    per-token errors would give (none for fp32, whose values are exact)."""
+    per-token errors would give (none for fp32, whose values are exact) and the score lift there
+    (exactly 0 for fp32, whose keys are exact)."""
     import json
     import shutil
     from pathlib import Path
 
     from turboquant import cli
-    from turboquant.needles import reading_layers, value_noise
+    from turboquant.needles import reading_layers, score_lift, value_noise
     recorded = Path(__file__).resolve().parents[1] / "book" / "results" / "needle_reading_smollm2.json"
     out = tmp_path / "reading.json"
     shutil.copy(recorded, out)
@@ -581,8 +614,9 @@ def test_the_needle_reading_command_prints_the_recorded_value_measures(tmp_path,
     lines = {line.split("  ")[0].split(" L")[0].strip(): line for line in capsys.readouterr().out.splitlines()}
     record = json.loads(recorded.read_text())
     measured, independent = (v[reading_layers(record)].mean() for v in value_noise(record, "KVQuant-style 4"))
-    assert f"value noise {measured:.3f} ({measured / independent:.1f}×)" in lines["KVQuant-style 4"]
-    assert "value noise 0.000  log p" in lines["fp32"]
+    lift = score_lift(record, "KVQuant-style 4")[reading_layers(record)].mean()
+    assert f"value noise {measured:.3f} ({measured / independent:.1f}×)  lift {lift:+.3f}" in lines["KVQuant-style 4"]
+    assert "value noise 0.000  lift +0.000  log p" in lines["fp32"]
 
 
 def test_a_needle_reading_resumes_and_names_the_reading_layers(smol, tmp_path, monkeypatch):

@@ -388,3 +388,44 @@ def test_the_value_noise_figure_draws_measured_and_independent_per_layer():
     del record["results"]["a"]
     with pytest.raises(ValueError, match="no row of the record has coded values"):
         plot_value_noise(record)
+
+
+def test_the_needle_figure_draws_one_row_of_panels_per_group_with_the_reference_in_each():
+    from turboquant.viz import plot_needle_grid
+    from matplotlib.colors import to_hex
+
+    from turboquant.viz.realmodel import FAMILY_COLORS, REFERENCE_COLOR, family_index
+
+    def cells(contexts):
+        return [{"context": x, "depth": d, "ok": 10, "n": 20, "lo": 0.3, "hi": 0.7}
+                for x in contexts for d in (0.1, 0.9)]
+    grid = {"results": {"fp32": {"bits": 32, "family": "reference", "cells": cells((1024, 2048))},
+                        "KVQuant-style 4": {"bits": 4.375, "family": "KVQuant-style", "cells": cells((1024, 2048))},
+                        "KVQuant-style 2": {"bits": 2.375, "family": "KVQuant-style", "cells": cells((1024,))},
+                        "profile 2.25": {"bits": 2.25, "family": "profile (make_prompt_cache(bits=…, profile=True))",
+                                         "cells": cells((1024,))}}}
+    fig = plot_needle_grid(grid, groups={"4 bits": ["KVQuant-style 4"],
+                                         "2 bits": ["KVQuant-style 2", "profile 2.25"]})
+    assert len(fig.axes) == 4                                                  # 2 groups x 2 contexts
+    assert [ax.get_title() for ax in fig.axes] == ["1,024 tokens", "2,048 tokens", "", ""]
+    # one legend of families for every row, in the legend's words where given
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == \
+        ["fp32", "KVQuant-style", "profile (make_prompt_cache(bits=…, profile=True))"]
+    fig = plot_needle_grid(grid, groups={"4 bits": ["KVQuant-style 4"],
+                                         "2 bits": ["KVQuant-style 2", "profile 2.25"]},
+                           labels={"KVQuant-style": "KVQuant-style levels"})
+    assert [t.get_text() for t in fig.legends[0].get_texts()][:2] == ["fp32", "KVQuant-style levels"]
+    assert [ax.get_ylabel() for ax in fig.axes[::2]] == ["4 bits\nneedles found", "2 bits\nneedles found"]
+    # a family keeps its colour from row to row; the reference has its own
+    colour = lambda ax, label: next(to_hex(c.lines[0].get_color()) for c in ax.containers if c.get_label() == label)
+    kvq = FAMILY_COLORS[family_index("KVQuant-style")]
+    assert colour(fig.axes[0], "KVQuant-style levels") == colour(fig.axes[2], "KVQuant-style levels") == kvq
+    assert colour(fig.axes[2], "fp32") == REFERENCE_COLOR
+    # the 2-bit rows were not measured at 2,048 tokens: that panel says so
+    assert [t.get_text() for t in fig.axes[3].texts] == ["not measured"]
+    with pytest.raises(ValueError, match="names or groups"):
+        plot_needle_grid(grid, ["fp32"], groups={"x": ["fp32"]})
+    with pytest.raises(ValueError, match="at least one row"):
+        plot_needle_grid(grid, groups={"x": []})
+    with pytest.raises(ValueError, match="got \\['nope'\\]"):
+        plot_needle_grid(grid, groups={"x": ["nope"]})

@@ -360,7 +360,7 @@ def _needle(args) -> int:
 def _needle_reading(args, model, tok, names) -> int:
     import numpy as np
 
-    from .needles import needle_reading, reading_layers, reading_mass, value_noise
+    from .needles import needle_reading, reading_layers, reading_mass, score_lift, value_noise
     try:
         record = needle_reading(model, tok, names, args.contexts[0], args.depths[0], args.values,
                                 model_name=f"{args.model} (float32)", out=args.out, chunk=args.chunk,
@@ -374,15 +374,18 @@ def _needle_reading(args, model, tok, names) -> int:
           f"({args.values} codes): attention on the code's tokens, summed over heads, in the layers where "
           f"{ref} gives them ≥ 0.1 ({', '.join(map(str, layers)) or 'none'}); mean score noise there; "
           "mean value noise there (what value coding changes in the attention output, relative) and its "
-          "ratio to what independent per-token errors would give; log p(code | start)")
+          "ratio to what independent per-token errors would give; the score lift there (how far key coding "
+          f"raises the code's scores against the other tokens, heads weighted by {ref}'s attention on the code); "
+          "log p(code | start)")
     W = _width(list(record["results"]), 28)
     for name, r in record["results"].items():
         mass = reading_mass(record, name)
         noise = np.mean([t["noise"] for t in r["trials"]], axis=0)
         measured, independent = (v[layers].mean() if layers else 0.0 for v in value_noise(record, name))
         coherence = f" ({measured / independent:.1f}×)" if independent > 0 else ""
+        lift = f"  lift {score_lift(record, name, ref)[layers].mean():+.3f}" if layers else ""
         print(f"{name:{W}s} " + " ".join(f"L{n}:{mass[n]:.2f}" for n in layers)
-              + (f"  noise {noise[layers].mean():.3f}  value noise {measured:.3f}{coherence}" if layers else "")
+              + (f"  noise {noise[layers].mean():.3f}  value noise {measured:.3f}{coherence}{lift}" if layers else "")
               + f"  log p {np.mean([t['code_logp'] for t in r['trials']]):+.2f}")
     if args.out:
         print(f"wrote {args.out}")

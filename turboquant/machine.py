@@ -101,6 +101,47 @@ def simd_level(flags: set[str] | None = None, machine: str | None = None) -> str
     return "unknown"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo; else ``platform.processor()``), or
+    "unknown"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def arithmetic() -> dict:
+    """What decides the low bits of a float32 run here, as a recorded run keeps it: the CPU,
+    its widest vector instructions, the BLAS library mlx's matmuls go through (with its
+    package version where one is installed: MKL's kernels change between releases) and
+    MKL's instruction cap. Two runs whose fp32 rows differ in the last digits differ in
+    one of these (or in mlx: ``describe``)."""
+    from importlib import metadata
+
+    from . import blas
+    library = blas.status()["library"]
+    version = None
+    if library and "mkl" in Path(library).name:
+        try:
+            version = metadata.version("mkl")
+        except metadata.PackageNotFoundError:
+            pass
+    return {"cpu": cpu_model(), "simd": simd_level(),
+            "blas": (Path(library).name + (f" {version}" if version else "")) if library else "mlx's own",
+            "mkl_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", "(MKL's choice)")}
+
+
+def arithmetic_differences(recorded: dict | None, here: dict) -> list[str]:
+    """One "key: X there, Y here" per way ``here`` (``arithmetic()``) differs from a recorded
+    run's; a run recorded before runs kept it gives ["the recorded run does not say …"]."""
+    if not recorded:
+        return ["the recorded run does not say which CPU and BLAS computed it"]
+    return [f"{k}: {recorded.get(k)!r} there, {v!r} here" for k, v in here.items() if recorded.get(k) != v]
+
+
 def compile_defect() -> dict:
     """Run Chapter 3's smallest reproduction of the mlx compiler defect here:
     ``(w >> 1) & 63`` on uint32, eagerly and under ``mx.compile``. → {"eager", "compiled",

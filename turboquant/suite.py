@@ -13,7 +13,7 @@ import math
 import platform
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -21,10 +21,11 @@ from . import evaluation as tqeval
 from .budget import BUDGETS, best_within, codecs_for
 from .codecs import AffineCodec, FibQuant, OutlierSplit, PolarQuant, TurboQuantProd
 from .data import load_text
+from .machine import arithmetic
 from .prompt_cache import make_prompt_cache
 
 __all__ = ["mse_config", "best_under", "add_intervals", "diff", "Config", "Reference", "MlxQuantized", "Kivi", "Codecs", "Calibrated", "Profile",
-           "CONFIGS", "ALL_CONFIGS", "CHAPTER_CONFIGS", "calibration_corpus_for", "calibration_statistics", "evaluate", "frontier_rows",
+           "Mixed", "KEY_PROBES", "CONFIGS", "ALL_CONFIGS", "CHAPTER_CONFIGS", "calibration_corpus_for", "calibration_statistics", "evaluate", "frontier_rows",
            "intervals_of", "evaluate_domains", "worst_domain", "domain_diffs", "never_worse", "PUBLISHED",
            "best_published", "standing"]
 
@@ -281,19 +282,22 @@ class Mixed(Config):
     """A diagnosis: the key coders of the configuration named ``keys`` with the value coders
     of the one named ``values`` (each a ``Calibrated`` or ``Profile`` row of ``CONFIGS``, or
     "exact": that half in float32, ``Identity``), so that a difference between two caches can
-    be traced to one half (Chapter 10, "Where the early needle is lost"). The keys decide
-    whether they are coded before RoPE; two coded halves must keep the same exact sink tokens."""
+    be traced to one half (Chapter 10, "Where the early needle is lost"). Either half may also
+    be an unnamed ``Calibrated`` configuration: a coder built only to be read in one half
+    (``KEY_PROBES``). The keys decide whether they are coded before RoPE; two coded halves
+    must keep the same exact sink tokens."""
 
-    keys: str
-    values: str
+    keys: Union[str, Calibrated]
+    values: Union[str, Calibrated]
     family: str = "one half from each of two caches (diagnosis)"
     note: str = ""
     diagnosis = True
 
     def _parts(self) -> tuple:
         """The rows the two halves come from (None for an exact half)."""
-        parts = tuple(None if n == "exact" else CONFIGS.get(n) for n in (self.keys, self.values))
-        bad = [n for n, c in zip((self.keys, self.values), parts) if n != "exact" and (
+        parts = tuple(n if isinstance(n, Config) else None if n == "exact" else CONFIGS.get(n)
+                      for n in (self.keys, self.values))
+        bad = [n for n, c in zip((self.keys, self.values), parts) if (c is not None or n != "exact") and (
             not isinstance(c, (Calibrated, Profile)) or getattr(c, "fp_window", 0))]
         if bad or parts == (None, None):
             raise ValueError(f"a mixed cache takes its halves from calibrated or profile rows without exact "
@@ -320,7 +324,8 @@ class Mixed(Config):
         from .codecs.identity import Identity
         k, v = (None if c is None else c.coders(model, stats) for c in self._parts())
         if k is not None and v is not None and k[2] != v[2]:
-            raise ValueError(f"{self.keys!r} keeps {k[2]} exact sink tokens and {self.values!r} {v[2]}: "
+            names = [n if isinstance(n, str) else n.note or n.family for n in (self.keys, self.values)]
+            raise ValueError(f"{names[0]!r} keeps {k[2]} exact sink tokens and {names[1]!r} {v[2]}: "
                              "a mixed cache needs the same")
         exact = [Identity(_dims(model)) for _ in model.layers]
         keys, before_rope = (exact, False) if k is None else (k[0], k[3])
@@ -333,6 +338,29 @@ class Mixed(Config):
         """The mean of the two rows' bits (32 for an exact half): exact when each row spends
         the same on keys and values (the rows ``CONFIGS`` mixes do)."""
         return sum(32.0 if c is None else c.bits(dim) for c in self._parts()) / 2
+
+
+# Key coders read in one half of a ``Mixed`` row, values exact: (name, keys, what they are).
+# Each spends KVQuant-style 4's 280 bits per 64-coordinate key (256 payload bits and one exact
+# outlier) after RoPE, unless it says otherwise; "equal bits" gives every axis 4 bits (as
+# KVQuant-style does), "water-filling" spreads the 256 by each axis's variance (as the profile does).
+KEY_PROBES = (
+    ("pre-RoPE KVQuant-style 4", "pre-RoPE KVQuant-style 4",
+     "KVQuant-style 4's key coder fitted and applied before RoPE"),
+    ("channels, water-filling", Calibrated(
+        "key coder (diagnosis)", fit=dict(key_bits=4.375, value_bits=4.375, outliers=1, transform="channels"),
+        note="per-channel levels, 256 bits spread over the channels by their variance"),
+     "per-channel levels with the bits spread by variance"),
+    ("KLT, equal bits", Calibrated(
+        "key coder (diagnosis)", fit=dict(key_bits=4, value_bits=4, outliers=1, uniform=True),
+        note="per-head KLT under the query metric, 4 bits on every axis"),
+     "the per-head KLT under the query metric with 4 bits on every axis"),
+    ("KLT, water-filling", Calibrated(
+        "key coder (diagnosis)", fit=dict(key_bits=4.375, value_bits=4.375, outliers=1),
+        note="per-head KLT under the query metric, 256 bits spread by reverse water-filling"),
+     "the per-head KLT under the query metric with the bits spread by variance (the profile's coder, "
+     "after RoPE)"),
+)
 
 
 def _mse(family, key_bits, value_bits=None, center_keys=False, center_values=False, **kw) -> Config:
@@ -453,6 +481,10 @@ CONFIGS: dict[str, Config] = {
     **{f"KVQuant-style 4, exact {half}": Mixed(
         *(("exact", "KVQuant-style 4") if half == "keys" else ("KVQuant-style 4", "exact")),
         note=f"KVQuant-style 4's coders with the {half} held exactly (float32)") for half in ("keys", "values")},
+    # which part of KVQuant-style 4's key coder keeps the early needle (Chapter 10): its keys
+    # coded before RoPE, and key coders between it and the profile's, at its 280 bits per key
+    **{f"{name}, exact values": Mixed(keys, "exact", note=f"{what}; values held exactly (float32)")
+       for name, keys, what in KEY_PROBES},
 }
 
 # ``turboquant eval --configs all``: every configuration a user could choose (the diagnosis rows,
@@ -642,7 +674,7 @@ def evaluate(model, tokenizer, names: Sequence[str], tokens: int = 2048, window:
                       "agreement_tokens": agreement_tokens, "fidelity_tokens": fidelity_tokens,
                       "needle_contexts": list(needle_contexts), "needle_depths": list(needle_depths),
                       "needle_values": needle_values, "seeds": seeds,
-                      "machine": platform.machine(), "mlx": mx.__version__,
+                      "machine": platform.machine(), "mlx": mx.__version__, "arithmetic": arithmetic(),
                       "seconds": time.time() - began},
             "results": results}
 
@@ -730,8 +762,13 @@ def update_run(recorded: dict, new: dict) -> dict:
     if differ:
         raise ValueError(f"the runs were not scored the same way: {'; '.join(differ)}")
     if recorded["results"]["fp32"]["per_window"] != new["results"]["fp32"]["per_window"]:
-        raise ValueError("the fp32 rows differ (another machine or mlx version?): old and new rows would not "
-                         "be paired; re-record the whole run")
+        from .machine import arithmetic_differences
+        here = new["setup"].get("arithmetic") or {}
+        why = arithmetic_differences(recorded["setup"].get("arithmetic"), here) if here else []
+        if recorded["setup"].get("mlx") != new["setup"].get("mlx"):
+            why.insert(0, f"mlx: {recorded['setup'].get('mlx')!r} there, {new['setup'].get('mlx')!r} here")
+        raise ValueError("the fp32 rows differ in their per-window sums, so old and new rows would not be "
+                         f"paired; re-record the whole run ({'; '.join(why) or 'the same recorded arithmetic'})")
     out = copy.deepcopy(recorded)
     rows = [n for n in new["results"] if n != "fp32"]
     out["results"].update(copy.deepcopy({n: new["results"][n] for n in rows}))

@@ -13,6 +13,8 @@ FAMILY_COLORS = COLORS + ["#e377c2", "#bcbd22", "#393b79", "#ad494a", "#637939",
                           "#6baed6", "#7b4173", "#8ca252", "#e7ba52", "#ce6dbd", "#00796b",
                           "#3f51b5", "#252525", "#fd8d3c", "#9e0142"]
 
+MARKERS = "os^Dv<>p"            # a family's marker: MARKERS[family_index(family) % 8]
+REFERENCE_COLOR = "#b0b0b0"     # the exact cache where a figure draws it beside the families
 
 # The families of ``suite.CONFIGS`` in the order that fixes their colours and markers: sorted
 # as they were when the figures were first drawn, newer families appended (so that a new
@@ -67,7 +69,7 @@ def plot_ppl_frontier(rows, title: str = "", budget: float | None = None, interv
         x = [r[2] + shift.get((fam, round(r[2], 6)), 0.0) for r in mine]
         y = [r[4] for r in mine]
         color = FAMILY_COLORS[i % len(FAMILY_COLORS)]
-        marker = "os^Dv<>p"[i % 8]
+        marker = MARKERS[i % len(MARKERS)]
         if intervals:
             lo = [max(r[4] - intervals[r[0]][0], 0.0) if r[0] in intervals else 0.0 for r in mine]
             hi = [max(intervals[r[0]][1] - r[4], 0.0) if r[0] in intervals else 0.0 for r in mine]
@@ -156,19 +158,36 @@ def plot_window_increases(result: dict, names, title: str = ""):
     return fig
 
 
-def plot_needle_grid(record: dict, names=None):
+def plot_needle_grid(record: dict, names=None, groups: dict | None = None, reference: str = "fp32",
+                     labels: dict | None = None):
     """Needle retrieval from a recorded grid (``needles.needle_grid``): one panel per context
     length, the success rate against the needle's depth for each configuration (``names``,
     in that order; default every row of the grid), with its
     95 % Wilson interval as an error bar (points shifted sideways a little so they do not
     hide one another). A panel shows the configurations measured at every depth of its
-    context (each keeps its colour across panels); contexts with fewer than two such are left out."""
+    context (each keeps its colour across panels); contexts with fewer than two such are left out.
+
+    ``groups`` (instead of ``names``) maps a title to the rows to draw together, e.g. one
+    budget: one row of panels per group, ``reference`` (when the grid has it) drawn in every
+    row as a wide light-grey band (``REFERENCE_COLOR``), each configuration in its family's
+    colour and marker (``family_index``), so that one legend of families, below the panels,
+    serves every row; ``labels`` maps a family to the legend's words for it."""
     results = record["results"]
+    if groups is not None:
+        if names is not None:
+            raise ValueError("give names or groups, not both")
+        if not groups or not all(groups.values()):
+            raise ValueError(f"groups must map each title to at least one row of the grid, got {groups!r}")
+        names = [n for ns in groups.values() for n in ns]
     if names is not None:
         missing = [n for n in names if n not in results]
         if missing or not names:
             raise ValueError(f"names must be rows of the grid ({sorted(results)}), got {missing or names}")
-        results = {n: results[n] for n in names}
+    rows = ([(None, list(names or results))] if groups is None else
+            [(title, ([reference] if reference in results and reference not in ns else []) + list(ns))
+             for title, ns in groups.items()])
+    shown = {n for _, ns in rows for n in ns}
+    results = {n: r for n, r in results.items() if n in shown}
     depths = sorted({c["depth"] for r in results.values() for c in r["cells"]})
 
     def measured(name, context):
@@ -177,30 +196,47 @@ def plot_needle_grid(record: dict, names=None):
     contexts = [x for x in contexts if sum(measured(n, x) for n in results) >= 2]
     if not contexts:
         raise ValueError("the grid has no context measured at every depth for two configurations")
-    fig, axes = figure(ncols=len(contexts), width=3.4, height=4.4, squeeze=False)
-    names = list(results)
-    for ax, context in zip(axes[0], contexts):
-        for i, name in enumerate(names):
-            if not measured(name, context):
-                continue
-            cells = sorted((c for c in results[name]["cells"] if c["context"] == context), key=lambda c: c["depth"])
-            x = np.array([100 * c["depth"] for c in cells]) + (i - (len(names) - 1) / 2) * 1.6
-            y = np.array([c["ok"] / c["n"] for c in cells])
-            err = [y - [c["lo"] for c in cells], [c["hi"] for c in cells] - y]
-            ax.errorbar(x, y, yerr=err, fmt="o-", ms=4, lw=1, capsize=2, color=FAMILY_COLORS[i % len(FAMILY_COLORS)],
-                        label=f"{name} ({results[name]['bits']:.3g} b)" if name != "fp32" else "fp32")
-        ax.set_title(f"{context:,} tokens", fontsize=9)
-        ax.set_xlabel("needle depth (% of the context)")
-        ax.set_ylim(-0.03, 1.03)
-        ax.set_xticks(sorted({100 * c["depth"] for r in results.values() for c in r["cells"]}))
-    axes[0][0].set_ylabel("needles found (95 % Wilson interval)")
+    grouped = groups is not None
+    fig, axes = figure(ncols=len(contexts), nrows=len(rows), squeeze=False,
+                       width=2.5 if grouped else 3.4, height=2.2 if grouped else 4.4)
+    for r, (title, ns) in enumerate(rows):
+        for ax, context in zip(axes[r], contexts):
+            for i, name in enumerate(ns):
+                if not measured(name, context):
+                    continue
+                cells = sorted((c for c in results[name]["cells"] if c["context"] == context),
+                               key=lambda c: c["depth"])
+                x = np.array([100 * c["depth"] for c in cells]) + (i - (len(ns) - 1) / 2) * 1.6
+                y = np.array([c["ok"] / c["n"] for c in cells])
+                err = [y - [c["lo"] for c in cells], [c["hi"] for c in cells] - y]
+                look = dict(fmt="o-", ms=4, lw=1, color=FAMILY_COLORS[i % len(FAMILY_COLORS)])
+                if grouped and name == reference:            # a wide light band under the others
+                    look = dict(fmt="-", lw=4, elinewidth=1, alpha=0.6, color=REFERENCE_COLOR, zorder=0)
+                elif grouped:
+                    at = family_index(results[name].get("family", name))
+                    look.update(fmt=MARKERS[at % len(MARKERS)] + "-", color=FAMILY_COLORS[at % len(FAMILY_COLORS)])
+                family = results[name].get("family", name)
+                label = (name if name == reference else (labels or {}).get(family, family) if grouped
+                         else f"{name} ({results[name]['bits']:.3g} b)")
+                ax.errorbar(x, y, yerr=err, capsize=2, **look, label=label)
+            if r == 0:
+                ax.set_title(f"{context:,} tokens", fontsize=9)
+            if r == len(rows) - 1:
+                ax.set_xlabel("needle depth (%)" if grouped else "needle depth (% of the context)")
+            ax.set_ylim(-0.03, 1.03)
+            ax.set_xticks(sorted({100 * c["depth"] for v in results.values() for c in v["cells"]}))
+            if grouped and not any(measured(n, context) for n in ns if n != reference):
+                ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", va="center",
+                        fontsize=8, color="0.4")
+        axes[r][0].set_ylabel(f"{title}\nneedles found" if grouped else "needles found (95 % Wilson interval)")
     legend = {}                                     # one legend for the panels, below them, off the data
-    for ax in axes[0]:
+    for ax in axes.flat if grouped else axes[0]:
         for h, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, h)
-    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(3, len(legend)), fontsize=7,
-               frameon=False)
-    fig.tight_layout(rect=(0, 0.08 + 0.035 * -(-len(legend) // 3), 1, 1))
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(3, len(legend)),
+               fontsize=8 if grouped else 7, frameon=False)
+    rows_of_legend = -(-len(legend) // 3)
+    fig.tight_layout(rect=(0, (0.02 + 0.028 * rows_of_legend) if grouped else 0.08 + 0.035 * rows_of_legend, 1, 1))
     return fig
 
 
