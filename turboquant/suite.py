@@ -21,7 +21,7 @@ from . import evaluation as tqeval
 from .budget import BUDGETS, best_within, codecs_for
 from .codecs import AffineCodec, FibQuant, OutlierSplit, PolarQuant, TurboQuantProd
 from .data import load_text
-from .machine import arithmetic
+from .machine import arithmetic, arithmetic_differences
 from .prompt_cache import make_prompt_cache
 
 __all__ = ["mse_config", "best_under", "add_intervals", "diff", "Config", "Reference", "MlxQuantized", "Kivi", "Codecs", "Calibrated", "Profile",
@@ -762,7 +762,6 @@ def update_run(recorded: dict, new: dict) -> dict:
     if differ:
         raise ValueError(f"the runs were not scored the same way: {'; '.join(differ)}")
     if recorded["results"]["fp32"]["per_window"] != new["results"]["fp32"]["per_window"]:
-        from .machine import arithmetic_differences
         here = new["setup"].get("arithmetic") or {}
         why = arithmetic_differences(recorded["setup"].get("arithmetic"), here) if here else []
         if recorded["setup"].get("mlx") != new["setup"].get("mlx"):
