@@ -77,12 +77,15 @@ def test_eval_on_several_domains_summarises_each_configurations_worst(tmp_path, 
 
 def test_configs_all_leaves_the_diagnoses_out():
     """'all' is every cache a user could choose; the diagnosis rows (one half of a cache in
-    float32, 18 bits, or the halves of two caches mixed) are run only when named."""
+    float32, 18 bits, the halves of two caches mixed, or a key coder read with exact values)
+    are run only when named."""
     from turboquant.suite import ALL_CONFIGS, CONFIGS
     diagnoses = {n for n, c in CONFIGS.items() if c.diagnosis}
     assert diagnoses == {"profile 4.25, exact keys", "profile 4.25, exact values",
                          "profile 4.25 keys, KVQuant-style 4 values", "KVQuant-style 4 keys, profile 4.25 values",
-                         "KVQuant-style 4, exact keys", "KVQuant-style 4, exact values"}
+                         "KVQuant-style 4, exact keys", "KVQuant-style 4, exact values",
+                         "pre-RoPE KVQuant-style 4, exact values", "channels, water-filling, exact values",
+                         "KLT, equal bits, exact values", "KLT, water-filling, exact values"}
     assert set(ALL_CONFIGS) == set(CONFIGS) - diagnoses
 
 
