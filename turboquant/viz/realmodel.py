@@ -209,13 +209,13 @@ def plot_needle_grid(record: dict, names=None, groups: dict | None = None, refer
                 x = np.array([100 * c["depth"] for c in cells]) + (i - (len(ns) - 1) / 2) * 1.6
                 y = np.array([c["ok"] / c["n"] for c in cells])
                 err = [y - [c["lo"] for c in cells], [c["hi"] for c in cells] - y]
+                family = results[name].get("family", name)
                 look = dict(fmt="o-", ms=4, lw=1, color=FAMILY_COLORS[i % len(FAMILY_COLORS)])
                 if grouped and name == reference:            # a wide light band under the others
                     look = dict(fmt="-", lw=4, elinewidth=1, alpha=0.6, color=REFERENCE_COLOR, zorder=0)
                 elif grouped:
-                    at = family_index(results[name].get("family", name))
+                    at = family_index(family)
                     look.update(fmt=MARKERS[at % len(MARKERS)] + "-", color=FAMILY_COLORS[at % len(FAMILY_COLORS)])
-                family = results[name].get("family", name)
                 label = (name if name == reference else (labels or {}).get(family, family) if grouped
                          else f"{name} ({results[name]['bits']:.3g} b)")
                 ax.errorbar(x, y, yerr=err, capsize=2, **look, label=label)
@@ -230,7 +230,7 @@ def plot_needle_grid(record: dict, names=None, groups: dict | None = None, refer
                         fontsize=8, color="0.4")
         axes[r][0].set_ylabel(f"{title}\nneedles found" if grouped else "needles found (95 % Wilson interval)")
     legend = {}                                     # one legend for the panels, below them, off the data
-    for ax in axes.flat if grouped else axes[0]:
+    for ax in axes.flat:                            # ungrouped: one row of panels
         for h, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, h)
     fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(3, len(legend)),
