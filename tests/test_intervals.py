@@ -188,3 +188,26 @@ def test_the_sign_test_on_paired_answers_has_its_exact_binomial_values():
     for bad in (-1, 1.5, True, None):
         with pytest.raises(ValueError, match="only_a"):
             sign_test(bad, 2)
+
+
+def test_goal_on_worst_checks_the_point_estimate_of_the_worst_text_and_says_if_it_is_settled():
+    """suite.goal_on_worst: the worst text that scored the row decides; the goal is met on its
+    point estimate and settled only when the interval lies on one side of the goal."""
+    from turboquant.budget import GOALS
+    from turboquant.suite import goal_on_worst
+
+    def text(value, lo, hi, name="a"):
+        return {"results": {name: {"intervals": {"ppl_increase": {"value": value, "lo": lo, "hi": hi}}}}}
+
+    texts = {"news": text(0.5, 0.2, 0.8), "code": text(1.3, 0.9, 1.7), "docs": text(9.0, 8.0, 10.0, "b")}
+    g = goal_on_worst(texts, "a", 4.25)
+    assert g["corpus"] == "code" and g["texts"] == ["news", "code"] and g["goal"] == GOALS[4.25]
+    assert not g["met"] and not g["settled"] and g["by"] == pytest.approx(0.3)
+    g = goal_on_worst(texts, "a", 3.25)             # +4 % allowed: met, and settled
+    assert g["met"] and g["settled"] and g["by"] == 0.0
+    g = goal_on_worst(texts, "b", 2.25)             # only docs scored it
+    assert g["corpus"] == "docs" and g["texts"] == ["docs"] and g["met"] and g["settled"]
+    with pytest.raises(ValueError, match="no goal for a budget of 4.0 bits"):
+        goal_on_worst(texts, "a", 4.0)
+    with pytest.raises(ValueError, match="'c' was not scored on any of"):
+        goal_on_worst(texts, "c", 4.25)

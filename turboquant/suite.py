@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence, Union
 import mlx.core as mx
 
 from . import evaluation as tqeval
-from .budget import BUDGETS, best_within, codecs_for
+from .budget import BUDGETS, GOALS, best_within, codecs_for
 from .codecs import AffineCodec, FibQuant, OutlierSplit, PolarQuant, TurboQuantProd
 from .data import load_text
 from .machine import arithmetic, arithmetic_differences
@@ -26,7 +26,7 @@ from .prompt_cache import make_prompt_cache
 
 __all__ = ["mse_config", "best_under", "add_intervals", "diff", "Config", "Reference", "MlxQuantized", "Kivi", "Codecs", "Calibrated", "Profile",
            "Mixed", "KEY_PROBES", "CONFIGS", "ALL_CONFIGS", "CHAPTER_CONFIGS", "calibration_corpus_for", "calibration_statistics", "evaluate", "frontier_rows",
-           "intervals_of", "evaluate_domains", "worst_domain", "domain_diffs", "never_worse", "PUBLISHED",
+           "intervals_of", "evaluate_domains", "worst_domain", "goal_on_worst", "domain_diffs", "never_worse", "PUBLISHED",
            "best_published", "standing"]
 
 
@@ -831,6 +831,25 @@ def worst_domain(run: dict, name: str) -> dict:
             raise ValueError(f"{name!r} on {corpus!r} has no interval: score it with 'fp32' among the names")
         rows.append({"corpus": corpus, **result["results"][name]["intervals"]["ppl_increase"]})
     return max(rows, key=lambda r: r["value"])
+
+
+def goal_on_worst(texts: dict, name: str, budget: float) -> dict:
+    """The quality goal of ``budget`` (``budget.GOALS``: the largest Δppl % allowed within it)
+    checked for ``name`` on the worst of ``texts`` ({text: ``evaluate``'s output}, each held
+    out; texts that did not score ``name`` are skipped): ``worst_domain``'s {"corpus", "value",
+    "lo", "hi"} and "goal", "texts" (those that scored ``name``), "met" (the point estimate
+    within the goal: the goals are defined on it), "settled" (the 95 % interval wholly on one
+    side of the goal: otherwise the verdict is not established either way) and "by" (points
+    above the goal; 0 when met)."""
+    if budget not in GOALS:
+        raise ValueError(f"no goal for a budget of {budget!r} bits; the goals: {GOALS}")
+    scored = {t: r for t, r in texts.items() if name in r["results"]}
+    if not scored:
+        raise ValueError(f"{name!r} was not scored on any of {sorted(texts)}")
+    worst = worst_domain({"domains": scored}, name)
+    goal = GOALS[budget]
+    return {**worst, "goal": goal, "texts": list(scored), "met": worst["value"] <= goal,
+            "settled": not worst["lo"] <= goal <= worst["hi"], "by": max(0.0, worst["value"] - goal)}
 
 
 def _domains(run: dict) -> dict:
