@@ -79,6 +79,9 @@ def test_a_profile_records_the_candidate_the_interval_rule_chooses(profile):
         assert e["choice"] == want["choice"] and e["ppl"] == want["ppl"]
         assert e["candidates"][0]["vs_default"] == {"value": 0.0, "lo": 0.0, "hi": 0.0}
     assert profile["signature"]["head_dim"] == 16 and profile["calibration"]["corpus"] == "test text"
+    # the held-out numbers' low bits depend on the CPU and BLAS: the profile says which computed them
+    from turboquant.machine import arithmetic
+    assert profile["heldout"]["arithmetic"] == arithmetic()
 
 
 def test_the_default_candidate_gives_way_only_to_one_established_better():

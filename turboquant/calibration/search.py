@@ -15,6 +15,7 @@ import math
 import time
 from typing import Optional, Sequence, Union
 
+from ..machine import arithmetic
 from .phases import context_length
 from .fitting import WINDOW, Choice, capture_statistics, fit_layers, signature
 from .profiles import PROFILE_FORMAT, PROFILE_VERSION, ids_digest
@@ -142,7 +143,8 @@ def calibrate(model, tokenizer, budgets: Sequence[float], *, name: str, corpus: 
             "heldout": {"tokens": len(held), "fp32_ppl": ref, "window": WINDOW, "fp32_per_window": ref_nll,
                         "n_per_window": n,
                         "rule": "the default (first candidate) unless another's paired 95 % interval of "
-                                "Δppl difference lies below 0"},
+                                "Δppl difference lies below 0",
+                        "arithmetic": arithmetic()},     # what the low bits of its numbers depend on
             "budgets": entries, "seconds": time.time() - t0}
 
 
