@@ -191,8 +191,9 @@ def test_the_sign_test_on_paired_answers_has_its_exact_binomial_values():
 
 
 def test_goal_on_worst_checks_the_point_estimate_of_the_worst_text_and_says_if_it_is_settled():
-    """suite.goal_on_worst: the worst text that scored the row decides; the goal is met on its
-    point estimate and settled only when the interval lies on one side of the goal."""
+    """suite.goal_on_worst: the worst text that scored the row decides the verdict, on its point
+    estimate; a miss is settled when some text's interval lies wholly above the goal, a goal
+    met when every text's lies wholly below it."""
     from turboquant.budget import GOALS
     from turboquant.suite import goal_on_worst
 
@@ -203,11 +204,22 @@ def test_goal_on_worst_checks_the_point_estimate_of_the_worst_text_and_says_if_i
     g = goal_on_worst(texts, "a", 4.25)
     assert g["corpus"] == "code" and g["texts"] == ["news", "code"] and g["goal"] == GOALS[4.25]
     assert not g["met"] and not g["settled"] and g["by"] == pytest.approx(0.3)
-    g = goal_on_worst(texts, "a", 3.25)             # +4 % allowed: met, and settled
+    # another text whose interval lies above the goal settles the miss
+    g = goal_on_worst({**texts, "verse": text(1.2, 1.1, 1.3)}, "a", 4.25)
+    assert g["corpus"] == "code" and not g["met"] and g["settled"]
+    g = goal_on_worst(texts, "a", 3.25)             # +4 % allowed: met, every interval below it
     assert g["met"] and g["settled"] and g["by"] == 0.0
+    g = goal_on_worst({"news": text(0.9, 0.5, 1.3)}, "a", 4.25)         # met, but not settled
+    assert g["met"] and not g["settled"]
+    g = goal_on_worst({"news": text(1.0, 0.8, 1.2)}, "a", 4.25)         # on the goal: met
+    assert g["met"] and not g["settled"] and g["by"] == 0.0
+    g = goal_on_worst({"news": text(1.5, 1.0, 2.0)}, "a", 4.25)         # touching it: not settled
+    assert not g["met"] and not g["settled"]
     g = goal_on_worst(texts, "b", 2.25)             # only docs scored it
     assert g["corpus"] == "docs" and g["texts"] == ["docs"] and g["met"] and g["settled"]
     with pytest.raises(ValueError, match="no goal for a budget of 4.0 bits"):
         goal_on_worst(texts, "a", 4.0)
     with pytest.raises(ValueError, match="'c' was not scored on any of"):
         goal_on_worst(texts, "c", 4.25)
+    with pytest.raises(ValueError, match="expected {text: evaluate's output}"):
+        goal_on_worst({"news": [1.0]}, "a", 4.25)

@@ -837,19 +837,26 @@ def goal_on_worst(texts: dict, name: str, budget: float) -> dict:
     """The quality goal of ``budget`` (``budget.GOALS``: the largest Δppl % allowed within it)
     checked for ``name`` on the worst of ``texts`` ({text: ``evaluate``'s output}, each held
     out; texts that did not score ``name`` are skipped): ``worst_domain``'s {"corpus", "value",
-    "lo", "hi"} and "goal", "texts" (those that scored ``name``), "met" (the point estimate
-    within the goal: the goals are defined on it), "settled" (the 95 % interval wholly on one
-    side of the goal: otherwise the verdict is not established either way) and "by" (points
-    above the goal; 0 when met)."""
+    "lo", "hi"} and "goal", "texts" (those that scored ``name``), "met" (the worst point
+    estimate within the goal: the goals are defined on it), "by" (points above the goal; 0 when
+    met) and "settled": whether the 95 % intervals establish that verdict — a miss, when some
+    text's interval lies wholly above the goal; a goal met, when every text's lies wholly
+    below it. Otherwise the verdict is not established either way."""
     if budget not in GOALS:
         raise ValueError(f"no goal for a budget of {budget!r} bits; the goals: {GOALS}")
+    if not isinstance(texts, dict) or not all(isinstance(r, dict) and "results" in r for r in texts.values()):
+        raise ValueError("expected {text: evaluate's output} for the texts")
     scored = {t: r for t, r in texts.items() if name in r["results"]}
     if not scored:
         raise ValueError(f"{name!r} was not scored on any of {sorted(texts)}")
-    worst = worst_domain({"domains": scored}, name)
+    run = {"domains": scored}
+    worst = worst_domain(run, name)
     goal = GOALS[budget]
-    return {**worst, "goal": goal, "texts": list(scored), "met": worst["value"] <= goal,
-            "settled": not worst["lo"] <= goal <= worst["hi"], "by": max(0.0, worst["value"] - goal)}
+    met = worst["value"] <= goal
+    ivs = [r["results"][name]["intervals"]["ppl_increase"] for r in scored.values()]
+    settled = all(iv["hi"] < goal for iv in ivs) if met else any(iv["lo"] > goal for iv in ivs)
+    return {**worst, "goal": goal, "texts": list(scored), "met": met, "settled": settled,
+            "by": max(0.0, worst["value"] - goal)}
 
 
 def _domains(run: dict) -> dict:
